@@ -1,0 +1,293 @@
+"""
+GRPO, the objective: pure functions over tensors. No models, no data, no threads.
+
+For one prompt we sample a group of G responses o_1..o_G and grade them, r_1..r_G. A response's
+advantage is how much better it did than its siblings, so no value network is needed:
+
+    A_i = (r_i - mean(r)) / (std(r) + eps)        GRPO (std_normalize=False drops the std: Dr.GRPO)
+
+Every response token t is trained with the PPO clipped surrogate, asymmetric clip ("clip higher"):
+
+    rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
+    l_it   = max(-A_i rho_it, -A_i clip(rho_it, 1 - eps_low, 1 + eps_high))
+    L      = 1/|B| sum_i 1/|o_i| sum_t l_it  +  kl_coef * KL(pi_theta || pi_ref)  -  entropy_coef * H
+
+(written in the default "seq-mean-token-mean" aggregation; see `aggregate` for the others).
+
+Asynchronous RL brings a third policy. pi_gen is what the generator sampled with: possibly a few
+weight versions stale, always a different kernel stack (bf16 inference engine vs. the trainer).
+pi_old is the learner's own recomputation at the start of the step, the policy the trust region is
+centred on. The token-level gap w_it = pi_old / pi_gen is handled in two ways, usable together:
+  TIS     multiply l_it by min(w_it, cap): truncated importance sampling, bounded variance;
+  IcePop  drop tokens with w_it outside [1/beta, beta]: the mismatch is too large to trust.
+Whole samples that are too stale are dropped before any of this (`fresh_mask`), and groups whose
+rewards all agree have A = 0 and teach nothing (`informative_groups`, dynamic sampling).
+
+Shapes: B sequences (one per row, right padded), T tokens; `mask` is 1 on response tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
+# -----------------------------------------------------------------------------
+# Advantages, and the per-sample filters applied before the loss
+
+
+def group_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
+    """[N] rewards -> [N] advantages; group g is rows g*G .. g*G+G-1 (contiguous).
+    std is torch.std's default (unbiased, N-1), as in slime and verl. A constant group gets 0."""
+    r = torch.as_tensor(rewards).float()
+    if r.ndim != 1 or group_size < 1 or r.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} rows, got {tuple(r.shape)}")
+    r = r.view(-1, group_size)  # [num_groups, G]
+    adv = r - r.mean(dim=1, keepdim=True)
+    if std_normalize and group_size > 1:  # one sample has no spread; its advantage is 0 anyway
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def informative_groups(rewards, group_size):
+    """[N] bool: rows whose group has at least two different rewards. The others have A = 0 for
+    every token, so they cost compute and shrink the effective batch; DAPO drops them and refills."""
+    r = torch.as_tensor(rewards).view(-1, group_size)  # [num_groups, G]
+    return (r != r[:, :1]).any(dim=1).repeat_interleave(group_size)
+
+
+def fresh_mask(sample_versions, current_version, max_staleness):
+    """[N] bool: keep samples at most `max_staleness` weight versions behind the learner.
+    A partial rollout spans several versions (generation paused, weights swapped, resumed); the caller
+    passes the OLDEST version a sample touched, so staleness is bounded for every token in it.
+    max_staleness = 0 is the synchronous baseline."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+    v = torch.as_tensor(sample_versions, dtype=torch.long)
+    return (current_version - v) <= max_staleness
+
+
+# -----------------------------------------------------------------------------
+# Per-token quantities computed from logits (the caller runs the model)
+
+
+def token_logprobs(logits, target_ids):
+    """[..., V] logits, [...] ids -> [...] log p(target), in float32 whatever the logits' dtype.
+    bf16 log-probs are too coarse for ratios near 1. log_softmax subtracts the max before the lse, so
+    large logits keep their precision (gather(logits) - logsumexp(logits) would not). With a 150k
+    vocabulary the caller should chunk over tokens: each chunk costs one float32 [chunk, V] tensor."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    return logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits):
+    """[..., V] -> [...] entropy H = logsumexp(z) - sum softmax(z) z, float32.
+    Shifting by the (detached) max keeps exp in range; H is shift-invariant so the gradient is exact."""
+    z = logits.float()
+    z = z - z.amax(dim=-1, keepdim=True).detach()
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3).
+    k1 is unbiased but can go negative; k2 is biased, low variance; k3 ("low_var_kl") is unbiased,
+    always >= 0. k3 exponentiates a log-ratio, so it is clamped twice (as verl does) to survive the
+    rare token where the two policies disagree wildly."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        x = (-log_ratio).clamp(-20.0, 20.0)  # log(pi_ref / pi_theta)
+        return (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown kl estimator {kind!r}; expected one of {KL_ESTIMATORS}")
+
+
+# -----------------------------------------------------------------------------
+# Aggregation: how per-token terms become one number. This choice changes what is optimised.
+#   seq-mean-token-mean  every sequence weighs the same, long ones are diluted per token (GLM-5)
+#   token-mean           every token weighs the same, long responses dominate (DAPO)
+#   seq-mean-token-sum   no length normalisation, no length bias in the gradient (Dr.GRPO; they
+#                        divide by a constant max length, here folded into the learning rate)
+#
+# The learner splits a global batch into micro-batches (and across ranks) and sums their gradients.
+# A plain mean per micro-batch would weight micro-batches equally instead of sequences/tokens. So the
+# learner first sums `loss_denominator` over the whole global batch and passes it as `loss_scale`;
+# each micro-batch loss is then (its partial sum) / (global count), and the micro-batch losses add up
+# to exactly the whole-batch loss. For seq modes the per-sequence mean needs nothing global: a
+# sequence never straddles micro-batches. (DDP/FSDP average gradients over ranks rather than sum
+# them, so with loss_scale counted over all ranks the learner multiplies the loss by world size.)
+
+
+def loss_denominator(mask, agg):
+    """The count that the final mean divides by: sequences with any response token (seq modes) or
+    response tokens (token-mean). Sum it over the global batch to get `loss_scale`."""
+    m = mask.bool()
+    if agg == "token-mean":
+        return int(m.sum())
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return int(m.any(dim=-1).sum())
+    raise ValueError(f"unknown agg {agg!r}; expected one of {AGG_MODES}")
+
+
+def aggregate(values, mask, agg, loss_scale=None):
+    """[B, T] per-token values -> scalar. Masked positions are ignored even if they hold NaN."""
+    m = mask.bool()
+    if loss_scale is None:
+        denom = max(loss_denominator(m, agg), 1)  # an empty batch gives 0, not NaN
+    elif loss_scale > 0:
+        denom = loss_scale
+    else:
+        raise ValueError(f"loss_scale must be > 0, got {loss_scale}")
+    values = torch.where(m, values, 0.0)
+    if agg == "seq-mean-token-mean":
+        per_seq = values.sum(dim=-1) / m.sum(dim=-1).clamp(min=1)  # [B], empty rows give 0
+        return per_seq.sum() / denom
+    return values.sum() / denom  # token-mean and seq-mean-token-sum differ only in denom
+
+
+# -----------------------------------------------------------------------------
+# The loss
+
+
+def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, agg="seq-mean-token-mean",
+                dual_clip=None, gen_logp=None, tis_cap=None, icepop_beta=None,
+                ref_logp=None, kl_coef=0.0, kl_estimator="k3", entropy=None, entropy_coef=0.0,
+                loss_scale=None):
+    """Clipped GRPO loss for one (micro-)batch. Returns (loss, metrics of python floats).
+
+    logp [B, T] carries the gradient (and `entropy` [B, T], when the bonus is on); every other
+    tensor is detached here. advantages are [B] (one per sequence) or [B, T].
+    Metric semantics: "pg_loss" is aggregated like the loss (so with loss_scale it sums across
+    micro-batches); every other metric is a plain mean over this call's response tokens
+    ("approx_kl" is k3 of pi_theta vs pi_old; "kl" is the chosen estimator vs pi_ref)."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {AGG_MODES}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if (tis_cap is not None or icepop_beta is not None) and gen_logp is None:
+        raise ValueError("tis_cap / icepop_beta need the generator's logprobs (gen_logp)")
+    if kl_coef and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs ref_logp")
+    if entropy_coef and entropy is None:
+        raise ValueError("entropy_coef > 0 needs entropy")
+    if logp.shape != old_logp.shape or logp.shape != mask.shape:
+        shapes = [tuple(x.shape) for x in (logp, old_logp, mask)]
+        raise ValueError(f"logp, old_logp and mask must have one [B, T] shape, got {shapes}")
+
+    # Padding may hold anything (garbage, -inf). Zeroing it before any exp keeps every intermediate
+    # finite, so masked positions get exactly zero gradient instead of 0 * inf = NaN.
+    m = mask.bool()  # [B, T]
+    pad = ~m
+    logp = logp.masked_fill(pad, 0.0)
+    old_logp = old_logp.detach().masked_fill(pad, 0.0)
+    adv = advantages.detach().to(logp.dtype)
+    adv = (adv.unsqueeze(-1) if adv.ndim == 1 else adv).expand_as(logp).masked_fill(pad, 0.0)  # [B, T]
+
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))  # [B, T]
+    if dual_clip is not None:
+        # With A < 0 the max() above is unbounded as the ratio grows (the policy already made a
+        # bad token far more likely than pi_old did); cap it at -A * c so one token cannot dominate.
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+
+    weight = torch.ones_like(old_logp)  # [B, T], detached off-policy factor
+    if gen_logp is not None:
+        gen_logp = gen_logp.detach().masked_fill(pad, 0.0)
+        is_ratio = torch.exp(old_logp - gen_logp)  # [B, T] pi_old / pi_gen
+        if tis_cap is not None:
+            weight = weight * is_ratio.clamp(max=tis_cap)
+        if icepop_beta is not None:
+            # GLM-5 and IcePop zero these tokens' gradient. We keep them in the denominators, so the
+            # loss scale does not depend on how many tokens happened to be dropped this step.
+            keep = (is_ratio >= 1.0 / icepop_beta) & (is_ratio <= icepop_beta)
+            weight = weight * keep
+    pg = pg * weight
+
+    pg_loss = aggregate(pg, m, agg, loss_scale)
+    loss = pg_loss
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp.detach().masked_fill(pad, 0.0), kl_estimator)  # [B, T]
+        if kl_coef:
+            loss = loss + kl_coef * aggregate(kl, m, agg, loss_scale)
+    if entropy is not None:
+        entropy = entropy.masked_fill(pad, 0.0)
+        if entropy_coef:
+            loss = loss - entropy_coef * aggregate(entropy, m, agg, loss_scale)
+
+    with torch.no_grad():
+        n = max(int(m.sum()), 1)
+        token_mean = lambda x: float(torch.where(m, x, 0.0).sum() / n)
+        metrics = {
+            "pg_loss": float(pg_loss),
+            "clip_frac_low": token_mean(((adv < 0) & (ratio < 1.0 - eps_low)).float()),
+            "clip_frac_high": token_mean(((adv > 0) & (ratio > 1.0 + eps_high)).float()),
+            "approx_kl": token_mean(kl_penalty(logp, old_logp, "k3")),
+            "ratio_mean": token_mean(ratio),
+        }
+        if dual_clip is not None:
+            metrics["dual_clip_frac"] = token_mean(((adv < 0) & (ratio > dual_clip)).float())
+        if tis_cap is not None:
+            metrics["is_weight_mean"] = token_mean(is_ratio.clamp(max=tis_cap))
+        if icepop_beta is not None:
+            metrics["icepop_masked_frac"] = token_mean((~keep).float())
+        if ref_logp is not None:
+            metrics["kl"] = token_mean(kl)
+        if entropy is not None:
+            metrics["entropy"] = token_mean(entropy)
+    return loss, metrics
+
+
+# -----------------------------------------------------------------------------
+# KL guard: a brake on the learning rate when the policy drifts from the reference too fast
+
+
+@dataclass
+class KLGuard:
+    """Feed it the policy's KL to the reference once per step; multiply the lr by what it returns.
+
+    Rule: while the mean of the last `window` values (fewer at the start) is above `threshold`, the
+    scale is multiplied by `factor` at every step (so it compounds: 0.6, 0.36, ..., floored at
+    `min_scale`) and `fired` is True for that step. As soon as the mean is back at or below the
+    threshold the scale returns to 1.0. Disabled, it still tracks the mean but always returns 1.0."""
+    threshold: float = 0.15
+    factor: float = 0.6
+    window: int = 10
+    enabled: bool = False
+    min_scale: float = 1e-3
+    history: list = field(default_factory=list, init=False)
+    scale: float = field(default=1.0, init=False)
+    fired: bool = field(default=False, init=False)
+    num_fired: int = field(default=0, init=False)
+
+    def __post_init__(self):
+        assert self.threshold > 0, f"KLGuard threshold must be > 0, got {self.threshold}"
+        assert 0 < self.factor <= 1, f"KLGuard factor must be in (0, 1], got {self.factor}"
+        assert self.window >= 1, f"KLGuard window must be >= 1, got {self.window}"
+        assert 0 < self.min_scale <= 1, f"KLGuard min_scale must be in (0, 1], got {self.min_scale}"
+
+    @property
+    def window_mean(self):
+        return sum(self.history) / len(self.history) if self.history else 0.0
+
+    def update(self, kl):
+        self.history = (self.history + [float(kl)])[-self.window:]
+        self.fired = self.enabled and self.window_mean > self.threshold
+        if self.fired:
+            self.scale = max(self.scale * self.factor, self.min_scale)
+            self.num_fired += 1
+        else:
+            self.scale = 1.0
+        return self.scale
+
+    def state_dict(self):
+        return {"history": list(self.history), "scale": self.scale, "fired": self.fired, "num_fired": self.num_fired}
+
+    def load_state_dict(self, state):
+        self.history = [float(x) for x in state["history"]][-self.window:]
+        self.scale = float(state["scale"])
+        self.fired = bool(state["fired"])
+        self.num_fired = int(state["num_fired"])
