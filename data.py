@@ -1,0 +1,461 @@
+"""
+Everything about data that is not a model: prompt files, chat templates, grading math answers,
+the synthetic arithmetic task of the CPU demo, token-budget batching, and pass@k.
+
+The order of this file follows one prompt through a run:
+  1. load_jsonl / PromptStream      read a dataset, hand out prompts forever (resumable)
+  2. render_prompt                  prompt -> token ids, through the model's chat template
+  3. math_reward                    a finished response + the label -> 1.0 or 0.0
+  4. synthetic_task / tokenizer     the no-download demo: "12+7=" -> "\\boxed{19}"
+  5. pack_by_tokens / split_...     group samples into batches under a token budget
+  6. pass_at_k / eval_metrics       what evaluation reports
+
+Simplifications, stated plainly:
+- Grading follows the deepscaler recipe (slime's default reward): only the last \\boxed{} after the
+  reasoning counts, a normalised string match first, then a symbolic check with math-verify. There
+  is no partial credit and no format reward.
+- The symbolic check runs in a helper thread with a deadline instead of math-verify's own timeout,
+  which uses signal.alarm and so only works in the main thread (we grade in the generator thread).
+  A thread cannot be killed, so inputs that could blow up (huge powers, deep nesting, long strings)
+  are refused before sympy ever sees them; the deadline is the second line of defence.
+"""
+
+import hashlib
+import json
+import logging
+import random
+import re
+import string
+import threading
+from decimal import Decimal
+from pathlib import Path
+
+from math_verify import parse, verify
+
+log = logging.getLogger(__name__)
+# math-verify only warns about its own timeouts, which we switch off and replace (see math_reward).
+logging.getLogger("math_verify").setLevel(logging.ERROR)
+
+# -----------------------------------------------------------------------------
+# 1. Prompt datasets
+# One JSON object per line: {"prompt": str | [{"role": ..., "content": ...}, ...], "label": str}.
+
+
+def load_jsonl(path, prompt_key="prompt", label_key="label"):
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (expected a JSONL prompt file, one "
+                                f'{{"{prompt_key}": ..., "{label_key}": ...}} object per line)')
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg}); expected one object per line") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            for key in (prompt_key, label_key):
+                if key not in obj:
+                    raise ValueError(f"{where}: missing key '{key}' (keys present: {sorted(obj)})")
+            prompt, label = obj[prompt_key], obj[label_key]
+            if not (isinstance(prompt, str) or _is_messages(prompt)):
+                raise ValueError(f"{where}: '{prompt_key}' must be a string or a list of "
+                                 f'{{"role": str, "content": str}} messages, got {type(prompt).__name__}')
+            # Labels like 42 are often stored as JSON numbers; the grader compares strings.
+            if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+                raise ValueError(f"{where}: '{label_key}' must be a string or a number, got {type(label).__name__}")
+            examples.append({"prompt": prompt, "label": str(label)})
+    if not examples:
+        raise ValueError(f"{path}: file is empty (expected at least one JSON object)")
+    return examples
+
+
+def _is_messages(x):
+    return (isinstance(x, list) and len(x) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in x))
+
+
+class PromptStream:
+    """Hands out examples in an endless sequence of epochs, each one reshuffled with seed + epoch.
+    The state is two integers, so a resumed run continues with exactly the prompts it would have
+    seen had it never stopped."""
+
+    def __init__(self, examples, seed=0, shuffle=True):
+        if len(examples) == 0:
+            raise ValueError("PromptStream needs at least one example")
+        self.examples, self.seed, self.shuffle = list(examples), seed, shuffle
+        self.epoch, self.position = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self):
+        order = list(range(len(self.examples)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        return order
+
+    def next(self, n):
+        out = []
+        while len(out) < n:
+            if self.position == len(self._order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            take = min(n - len(out), len(self._order) - self.position)
+            out += [self.examples[i] for i in self._order[self.position:self.position + take]]
+            self.position += take
+        return out
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "shuffle": self.shuffle, "num_examples": len(self.examples)}
+
+    def load_state_dict(self, state):
+        if state["num_examples"] != len(self.examples):
+            raise ValueError(f"PromptStream state was saved with {state['num_examples']} examples but the "
+                             f"dataset now has {len(self.examples)}; resume with the same prompt file")
+        self.seed, self.shuffle = state["seed"], state["shuffle"]
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._epoch_order()
+
+
+# -----------------------------------------------------------------------------
+# 2. Chat templates
+
+
+def render_prompt(tokenizer, prompt, chat_template=True):
+    """Prompt (a string or a list of messages) -> token ids ending where the response starts."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if not chat_template:
+        if not isinstance(prompt, str):
+            raise ValueError("a list-of-messages prompt needs a chat template; set rollout.chat_template: true")
+        return list(tokenizer.encode(prompt))  # a base model's default special tokens (BOS) apply
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                         "set rollout.chat_template: false to feed raw prompt text")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding here, 4.x a plain list; we want list[int] either way.
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if len(ids) > 0 and isinstance(ids[0], list):
+        ids = ids[0]
+    return [int(i) for i in ids]
+
+
+# -----------------------------------------------------------------------------
+# 3. Grading math answers
+
+SYMBOLIC_TIMEOUT_S = 3.0   # deadline for one math-verify check (normal checks take milliseconds)
+MAX_SYMBOLIC_CHARS = 300   # longer answers only get the string match: real answers are short
+MAX_NESTING = 12           # parsing time grows steeply with bracket depth
+MAX_STUCK_CHECKS = 4       # timed-out checks still running; beyond this, skip symbolic entirely
+
+
+def math_reward(response, label):
+    """1.0 if the last \\boxed{} answer after the reasoning equals the label, else 0.0. Never raises."""
+    try:
+        return 1.0 if _is_correct(response, label) else 0.0
+    except Exception:
+        return 0.0
+
+
+def _is_correct(response, label):
+    if not isinstance(response, str) or not isinstance(label, str):
+        return False
+    if "</think>" in response:
+        response = response.rsplit("</think>", 1)[1]
+    elif "<think>" in response:
+        return False  # still thinking when it hit the length limit: no answer yet
+    answer = last_boxed(response)
+    if answer is None:
+        return False
+    if "\\boxed" in label or "\\fbox" in label:
+        label = last_boxed(label) or label
+    a, b = normalize_answer(answer), normalize_answer(label)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    if _is_decimal(a) and _is_decimal(b):
+        return Decimal(a) == Decimal(b)  # the common case (integer answers) needs no sympy
+    if not (_safe_for_sympy(answer) and _safe_for_sympy(label)):
+        return False
+    return _with_deadline(_symbolic_equal, answer, label)
+
+
+def last_boxed(text):
+    """Contents of the last \\boxed{...} / \\fbox{...} (or \\boxed 5); None if absent or unbalanced."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = start + (6 if text.startswith("\\boxed", start) else 5)
+    j = i
+    while j < len(text) and text[j] == " ":
+        j += 1
+    if j == len(text):
+        return None
+    if text[j] != "{":  # "\boxed 5": the argument is the next run of non-space characters
+        if j == i:
+            return None  # "\boxedfoo" is some other command
+        m = re.match(r"[^\s$]+", text[j:])
+        return m.group(0).rstrip(".") if m else None
+    depth = 0
+    k = j
+    while k < len(text):
+        c = text[k]
+        if c == "\\":
+            k += 2  # \{ and \} are literal braces (sets), not grouping
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[j + 1:k]
+        k += 1
+    return None  # unbalanced: the response was cut off inside the box
+
+
+_UNIT_WRAPPER = re.compile(r"(?<=\S)\s*\\(?:text|mbox|mathrm)\{\s*[A-Za-z][A-Za-z .]*\}(\^\{?\d\}?)?\s*$")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}")
+
+
+def normalize_answer(s):
+    """A cheap canonical form, so that most equal answers match without sympy. Both sides go
+    through it, so it only has to be consistent, not perfect."""
+    s = s.strip()
+    s = s.replace("\\$", "").replace("$", "")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    for junk in ("\\left", "\\right", "\\displaystyle", "\\!", "\\,", "\\;", "\\:", "\\ ", "~"):
+        s = s.replace(junk, "")
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?", "", s).replace("\\circ", "").replace("°", "")
+    s = s.replace("\\%", "").replace("%", "")
+    s = _UNIT_WRAPPER.sub("", s)  # 5\text{ cm} -> 5 (the label carries no units)
+    s = _TEXT_WRAPPER.sub(r"\1", s)  # \text{(B)} -> (B)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"^[a-zA-Z]=(?!=)", "", s)  # x=3 -> 3
+    s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)  # \frac12
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", s)  # \sqrt2
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")  # 1,000 -> 1000
+    s = re.sub(r"^(-?)\.(\d)", r"\g<1>0.\2", s)  # .5 -> 0.5
+    if re.fullmatch(r"-?\d+\.\d*", s):
+        s = s.rstrip("0").rstrip(".")  # 5.50 -> 5.5, 3.0 -> 3
+    m = re.fullmatch(r"(-?\d+)/(\d+)", s)
+    if m:
+        s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
+    return s
+
+
+def _is_decimal(s):
+    return re.fullmatch(r"-?\d+(\.\d+)?", s) is not None
+
+
+def _safe_for_sympy(s):
+    """Refuse what could make sympy build an astronomically large number. Big integer arithmetic
+    runs in C while holding the GIL, so neither a deadline nor signal.alarm could stop it."""
+    if len(s) > MAX_SYMBOLIC_CHARS:
+        return False
+    s = s.replace("\\!", "")  # a thin space, not a factorial
+    depth = deepest = 0
+    for c in s:
+        depth += c in "{[("
+        depth -= c in "}])"
+        deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        return False
+    if "**" in s or re.search(r"(\d{4,}|\^\s*\d+|[^\w\s])\s*!", s):
+        return False  # python powers, 10000!, (10!)!, 10^6!
+    for m in re.finditer(r"\^\s*", s):  # every exponent: no towers, no big numbers
+        exponent, end = _group_at(s, m.end())
+        if exponent is None or re.search(r"[\^!]|\\binom|\\choose", exponent):
+            return False  # 2^{10^{10}}, 2^{100!}
+        if sum(c.isdigit() for c in exponent) > 4 or s[end:].lstrip().startswith("^"):
+            return False  # 9^{99999}, 9^{999\cdot 999}, 2^2^2^2
+    return True
+
+
+def _group_at(s, i):
+    """The exponent starting at s[i]: a {...} group, a number, a \\command or one character."""
+    if s.startswith("{", i):
+        depth = 0
+        for k in range(i, len(s)):
+            depth += (s[k] == "{") - (s[k] == "}")
+            if depth == 0:
+                return s[i + 1:k], k + 1
+        return None, len(s)
+    m = re.match(r"\d+|\\[a-zA-Z]+|\S", s[i:])
+    return (m.group(0), i + m.end()) if m else (None, len(s))
+
+
+def _symbolic_equal(answer, label):
+    # Per math-verify's docs the gold answer goes in $...$ (or \boxed{}); both timeouts are
+    # disabled because they rely on signal.alarm, which fails outside the main thread.
+    gold = parse(f"${label}$", parsing_timeout=None)
+    pred = parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
+    return bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=None)
+
+
+_stuck = []  # threads whose check missed its deadline and is still running
+_stuck_lock = threading.Lock()
+
+
+def _with_deadline(fn, *args):
+    """Run fn(*args) in a daemon thread and wait at most SYMBOLIC_TIMEOUT_S. A late check is
+    abandoned (counted wrong) and finishes in the background; if too many pile up, symbolic
+    checking is skipped until they drain, so a bad batch cannot eat the CPU."""
+    with _stuck_lock:
+        _stuck[:] = [t for t in _stuck if t.is_alive()]
+        if len(_stuck) >= MAX_STUCK_CHECKS:
+            return False
+    result = []
+
+    def run():
+        try:
+            result.append(bool(fn(*args)))
+        except Exception:
+            result.append(False)
+
+    worker = threading.Thread(target=run, daemon=True, name="math-verify")
+    worker.start()
+    worker.join(SYMBOLIC_TIMEOUT_S)
+    if worker.is_alive():
+        log.warning("math_reward: symbolic check of %r vs %r timed out after %.1fs; counted as wrong",
+                    args[0][:80], args[1][:80], SYMBOLIC_TIMEOUT_S)
+        with _stuck_lock:
+            _stuck.append(worker)
+        return False
+    return bool(result and result[0])
+
+
+# -----------------------------------------------------------------------------
+# 4. The synthetic task and tokenizer of the CPU demo
+# Short arithmetic ("12+7=" -> "\boxed{19}") that a 2-layer model learns in minutes, graded by the
+# same math_reward as real data. A problem's hash puts it in train or test, so held-out problems
+# are never trained on, whatever the seed.
+
+
+def _arithmetic_problems():
+    problems = [(f"{a}+{b}=", a + b) for a in range(20) for b in range(20)]
+    problems += [(f"{a}-{b}=", a - b) for a in range(20) for b in range(20)]
+    problems += [(f"{a}*{b}=", a * b) for a in range(10) for b in range(10)]
+    return problems
+
+
+def _split_of(prompt):
+    return "test" if hashlib.md5(prompt.encode()).digest()[0] < 26 else "train"  # ~10% held out
+
+
+def synthetic_task(n, seed, split="train"):
+    """n examples {"prompt": "12+7=", "label": "19", "solution": "\\boxed{19}"}; the first
+    len(pool) are distinct (806 train / 94 test problems), later ones cycle through the pool."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    pool = [(p, a) for p, a in _arithmetic_problems() if _split_of(p) == split]
+    random.Random(seed).shuffle(pool)
+    picked = [pool[i % len(pool)] for i in range(n)]
+    return [{"prompt": p, "label": str(a), "solution": f"\\boxed{{{a}}}"} for p, a in picked]
+
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+# GLM's layout (<|user|>...<|assistant|>) without the newlines: every token is one more step to learn.
+TINY_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
+
+def make_tiny_tokenizer(save_dir=None):
+    """A character-level fast tokenizer (102 tokens) with pad/eos and a chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = string.digits + string.ascii_letters + string.punctuation + " \n"
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(chars))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
+    core.decoder = decoders.Fuse()  # concatenate, no spaces in between
+    core.add_special_tokens(SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<unk>", clean_up_tokenization_spaces=False)
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    if save_dir is not None:
+        tokenizer.save_pretrained(save_dir)
+    return tokenizer
+
+
+# -----------------------------------------------------------------------------
+# 5. Token-budget batching
+# A learner micro-batch holds as many samples as fit in max_tokens (dynamic batching), so GPU
+# memory is flat whatever the response lengths; ranks get equal token counts, not sample counts.
+
+
+def pack_by_tokens(lengths, max_tokens):
+    """First-fit decreasing: indices of samples grouped into bins of total length <= max_tokens.
+    A sample longer than the budget gets a bin of its own (it cannot be split)."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins, room = [], []
+    for i in order:
+        for b in range(len(bins)):
+            if lengths[i] <= room[b]:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max_tokens - lengths[i])  # negative for an oversize sample: bin closed
+    return bins
+
+
+def split_across_ranks(lengths, world_size):
+    """Greedy balance: longest sample first, each to the rank with the fewest tokens so far (ties:
+    lowest rank). The busiest rank then carries at most the average load plus one sample's length.
+    With fewer samples than ranks, the last ranks get empty lists; callers must still take part in
+    collectives on those ranks."""
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    ranks, load = [[] for _ in range(world_size)], [0] * world_size
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        ranks[r].append(i)
+        load[r] += lengths[i]
+    return ranks
+
+
+# -----------------------------------------------------------------------------
+# 6. Evaluation metrics
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k), as a product so
+    large n never overflows: C(n-c, k) / C(n, k) = prod_{i=n-c+1..n} (1 - k/i)."""
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0  # every k-subset contains a correct sample
+    prob_all_wrong = 1.0
+    for i in range(n - c + 1, n + 1):
+        prob_all_wrong *= 1.0 - k / i
+    return 1.0 - prob_all_wrong
+
+
+def eval_metrics(rewards_per_prompt, ks=(1, 4, 8, 16)):
+    """rewards_per_prompt[p] = rewards of prompt p's samples. A sample counts as correct for
+    pass@k when its reward is >= 1.0. Every prompt weighs the same; pass@k is reported for each k
+    that every prompt has enough samples for."""
+    if not rewards_per_prompt or any(len(r) == 0 for r in rewards_per_prompt):
+        raise ValueError("eval_metrics needs at least one prompt and one sample per prompt")
+    metrics = {"accuracy": sum(sum(r) / len(r) for r in rewards_per_prompt) / len(rewards_per_prompt)}
+    n_min = min(len(r) for r in rewards_per_prompt)
+    for k in ks:
+        if k <= n_min:
+            scores = [pass_at_k(len(r), sum(x >= 1.0 for x in r), k) for r in rewards_per_prompt]
+            metrics[f"pass@{k}"] = sum(scores) / len(scores)
+    return metrics
