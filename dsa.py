@@ -1,0 +1,216 @@
+"""
+DeepSeek Sparse Attention (DSA) for the GLM decoder in model.py.
+
+Dense causal attention costs O(T^2) per layer. DSA puts a small "lightning indexer" in front of it:
+for every query t the indexer scores all past tokens s cheaply,
+
+    I(t, s) = sum_j  w[t, j] * ReLU(q[t, j] . k[s]) / sqrt(d_I)          j over H_I indexer heads
+
+and the real attention then looks only at the top-k tokens by that score. The indexer is still
+O(T^2) but with a handful of small heads and no softmax; the expensive part (H heads of dimension D
+with values) becomes O(T * k). Pieces, in the order the model uses them:
+
+  - `DSAConfig`: topk, indexer heads/dim/rope dims, and the IndexCache layer pattern ("FSSS").
+  - `Indexer`: the projections (query per head, one LayerNorm'd key per token, per-head weights).
+  - `index_scores`, `select_topk`: scores and deterministic `torch.topk` under the attention mask.
+  - `sparse_attention`: softmax attention over the gathered top-k keys; all heads share the set.
+  - `dense_indexer_kl`, `sparse_indexer_kl`: the two losses that train the indexer when a dense
+    checkpoint is converted to DSA (dense warm-up, then sparse stage). The indexer sees detached
+    inputs, and its target is detached, so it learns only from its KL and the model only from the LM loss.
+
+IndexCache: layers marked `S` in the pattern own no indexer and reuse the indices chosen by the
+nearest preceding `F` layer, which removes most of the indexer's cost.
+
+Masks are passed as objects with a `.dense(q0, q1) -> bool [B|1, q1-q0, Tk]` method (model.AttnMask),
+so nothing here materialises a [T, T] matrix for more than one chunk of queries at a time.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+# Work is split into query chunks so that no intermediate exceeds ~2^24 elements (64 MiB in fp32);
+# sparse attention's gathered keys get a cache-sized block on CPU, 64x that on GPU.
+CHUNK_ELEMENTS = 1 << 24
+GATHER_ELEMENTS = 1 << 22
+
+
+@dataclass
+class DSAConfig:
+    topk: int = 2048  # keys each query attends to
+    heads: int = 32  # indexer heads H_I
+    head_dim: int = 128  # indexer dimension d_I
+    rope_dim: int = 64  # the first rope_dim dims of indexer q/k get (interleaved) RoPE
+    pattern: str = "F"  # per-layer F (own indexer) / S (reuse previous F's indices), repeated
+
+    def __post_init__(self):
+        for key in ("topk", "heads", "head_dim"):
+            if not isinstance(getattr(self, key), int) or getattr(self, key) < 1:
+                raise ValueError(f"dsa.{key} must be a positive integer, got {getattr(self, key)!r}")
+        if not (0 <= self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise ValueError(f"dsa.rope_dim must be even and <= dsa.head_dim, got {self.rope_dim}")
+        if not self.pattern or set(self.pattern) - {"F", "S"} or self.pattern[0] != "F":
+            raise ValueError(f"dsa.pattern must be a string of F/S starting with F, got {self.pattern!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DSAConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown dsa key(s) {sorted(unknown)}; valid: {sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+    def layer_kinds(self, num_layers: int) -> str:
+        """The pattern repeated to the model's depth, e.g. "FSSS" -> "FSSSFSSS..."."""
+        return (self.pattern * num_layers)[:num_layers]
+
+
+class Indexer(nn.Module):
+    """The lightning indexer's projections. Parameter names follow GLM-5's checkpoints
+    (wk, k_norm, weights_proj); the query projection is `wq` since GLM-4 has no query LoRA."""
+
+    def __init__(self, hidden_size: int, cfg: DSAConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wq = nn.Linear(hidden_size, cfg.heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(hidden_size, cfg.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(hidden_size, cfg.heads, bias=False)
+
+    def forward(self, x):
+        """x [B, T, hidden] -> q [B, T, H_I, d_I], k [B, T, d_I], w [B, T, H_I] (before RoPE)."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.cfg.heads, self.cfg.head_dim)
+        k = self.k_norm(self.wk(x))
+        w = self.weights_proj(x) * self.cfg.heads**-0.5
+        return q, k, w
+
+
+def index_scores(q, w, k):
+    """I(t, s) for a chunk of queries. q [B, c, H_I, d], w [B, c, H_I], k [B, Tk, d] -> [B, c, Tk] fp32."""
+    s = torch.einsum("bchd,bsd->bchs", q.float(), k.float()).relu()  # [B, c, H_I, Tk]
+    return torch.einsum("bchs,bch->bcs", s, w.float()) * q.shape[-1] ** -0.5
+
+
+def _tie_broken(scores):
+    """fp32 scores [..., Tk] -> int64 keys with the same order and no ties: the float's bits made
+    monotonic as a signed int in the high 32 bits, "earlier key wins" in the low 32 bits."""
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
+    slot = torch.arange(scores.shape[-1], device=scores.device)
+    return (ordered << 32) | (scores.shape[-1] - 1 - slot)
+
+
+@torch.no_grad()
+def select_topk(q, w, k, mask, topk):
+    """Top-k keys per query under the mask. Returns idx [B, Tq, K] (int64) and valid [B, Tq, K]
+    (False where a query has fewer than K visible keys: early tokens, padding). K = min(topk, Tk).
+
+    The choice must not depend on how the work was shaped: the generator scores one query against its
+    cache, the learner all queries at once, and both must pick the same set. Exact ties are common
+    (ReLU makes I(t, s) exactly 0 whenever every head's dot product is negative) and torch.topk's order
+    among ties depends on the row's length, so torch.topk runs on tie-free keys (earlier key first)."""
+    B, Tq = q.shape[:2]
+    Tk = k.shape[1]
+    K = min(topk, Tk)
+    idx = torch.empty(B, Tq, K, dtype=torch.long, device=q.device)
+    valid = torch.empty(B, Tq, K, dtype=torch.bool, device=q.device)
+    c = max(1, CHUNK_ELEMENTS // max(1, B * q.shape[2] * Tk))
+    for q0 in range(0, Tq, c):
+        q1 = min(Tq, q0 + c)
+        kmax = int(mask.q_slot[q1 - 1]) + 1  # causal: keys after the chunk's last query are never visible
+        s = index_scores(q[:, q0:q1], w[:, q0:q1], k[:, :kmax])
+        s = s.masked_fill_(~mask.dense(q0, q1)[..., :kmax], float("-inf"))
+        chosen = _tie_broken(s).topk(min(K, kmax), dim=-1).indices
+        idx[:, q0:q1], valid[:, q0:q1] = 0, False
+        idx[:, q0:q1, :chosen.shape[-1]] = chosen
+        valid[:, q0:q1, :chosen.shape[-1]] = s.gather(-1, chosen) > float("-inf")
+    return idx, valid
+
+
+def _gather(x, idx):
+    """x [B, Tk, ...], idx [B, c, K] -> [B, c, K, ...]."""
+    b = torch.arange(x.shape[0], device=x.device)[:, None, None]
+    return x[b, idx]
+
+
+def _sparse_chunk(q, kh, vh, idx, valid, scale):
+    B, c, H, D = q.shape
+    Hkv = kh.shape[1]
+    b = torch.arange(B, device=q.device)[:, None, None, None]
+    n = torch.arange(Hkv, device=q.device)[None, :, None, None]
+    ks, vs = kh[b, n, idx[:, None]], vh[b, n, idx[:, None]]  # [B, Hkv, c, K, D], ready for batched matmul
+    qg = q.view(B, c, Hkv, H // Hkv, D).transpose(1, 2)  # [B, Hkv, c, G, D]: GQA groups under their KV head
+    att = (qg @ ks.transpose(-1, -2)).float() * scale  # [B, Hkv, c, G, K]
+    att = att.masked_fill(~valid[:, None, :, None, :], float("-inf")).softmax(-1)
+    out = (att.to(vs.dtype) @ vs).transpose(1, 2).reshape(B, c, H, D)
+    return out, att.detach().mean((1, 3))  # probs summed over heads, L1-normalised: [B, c, K]
+
+
+def sparse_attention(q, k, v, idx, valid, scale, return_probs=False):
+    """Attention over the selected keys only. q [B, Tq, H, D]; k, v [B, Tk, Hkv, D]; idx, valid
+    [B, Tq, K] -> out [B, Tq, H, D] (and, if asked, the head-averaged probabilities [B, Tq, K]).
+
+    Each query gathers its own K keys, so this is bound by memory traffic, not FLOPs: queries go in
+    chunks small enough for the gathered [c, K, Hkv, D] block to stay in cache on a CPU (bigger on a
+    GPU, where launches cost more). Under autograd each chunk is recomputed in backward, so gathered
+    keys never pile up for the whole sequence."""
+    B, Tq, H, D = q.shape
+    K = idx.shape[-1]
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Tk, D]
+    c = max(1, GATHER_ELEMENTS * (64 if q.is_cuda else 1) // max(1, B * K * k.shape[2] * D))
+    outs, probs = [], []
+    for q0 in range(0, Tq, c):
+        args = (q[:, q0 : q0 + c], kh, vh, idx[:, q0 : q0 + c], valid[:, q0 : q0 + c], scale)
+        if torch.is_grad_enabled() and Tq > c:
+            out, p = checkpoint(_sparse_chunk, *args, use_reentrant=False)
+        else:
+            out, p = _sparse_chunk(*args)
+        outs.append(out)
+        probs.append(p)
+    out = torch.cat(outs, 1)
+    return (out, torch.cat(probs, 1)) if return_probs else out
+
+
+def _kl(p, logits):
+    """sum_s p log(p / softmax(logits)) per row; p [.., S] sums to 1, masked logits are -inf."""
+    logq = logits.log_softmax(-1)
+    return torch.where(p > 0, p * (p.clamp_min(1e-30).log() - logq), torch.zeros_like(p)).sum(-1)
+
+
+def _dense_kl_chunk(iq, iw, ik, q, k, allowed, q_valid, scale):
+    with torch.no_grad():  # target: main attention probabilities, averaged over heads
+        B, c, H, D = q.shape
+        qg = q.view(B, c, k.shape[2], H // k.shape[2], D)
+        att = torch.einsum("bcngd,bsnd->bcngs", qg, k).float() * scale
+        p = att.masked_fill(~allowed[:, :, None, None, :], float("-inf")).softmax(-1).mean((2, 3))
+    s = index_scores(iq, iw, ik).masked_fill(~allowed, float("-inf"))
+    return (_kl(p, s) * q_valid).sum()
+
+
+def dense_indexer_kl(iq, iw, ik, q, k, mask, scale):
+    """Dense warm-up loss: mean over queries of KL(p_t || softmax(I_t)) over all visible keys, where
+    p_t is the main attention summed over heads and L1-normalised. Indexer tensors (iq [B,T,H_I,d],
+    iw [B,T,H_I], ik [B,Tk,d]) carry gradients; q [B,T,H,D] and k [B,Tk,Hkv,D] are only a target."""
+    B, Tq = iq.shape[:2]
+    Tk = ik.shape[1]
+    c = max(1, CHUNK_ELEMENTS // max(1, B * Tk * max(iq.shape[2], q.shape[2])))
+    q_valid = mask.q_valid().float()  # [B, Tq]: padding queries do not count
+    total = iq.new_zeros((), dtype=torch.float32)
+    for q0 in range(0, Tq, c):
+        q1 = min(Tq, q0 + c)
+        args = (iq[:, q0:q1], iw[:, q0:q1], ik, q[:, q0:q1].detach(), k.detach(), mask.dense(q0, q1),
+                q_valid[:, q0:q1], scale)
+        total = total + (checkpoint(_dense_kl_chunk, *args, use_reentrant=False) if Tq > c else _dense_kl_chunk(*args))
+    return total / q_valid.sum().clamp_min(1)
+
+
+def sparse_indexer_kl(iq, iw, ik, idx, valid, p, q_valid):
+    """Sparse-stage loss: the same KL restricted to each query's selected set. p [B, T, K] is the main
+    attention over the selected keys (head-averaged, detached) returned by sparse_attention."""
+    ks = _gather(ik, idx)  # [B, T, K, d]
+    s = torch.einsum("bthd,btkd->bthk", iq.float(), ks.float()).relu()
+    s = torch.einsum("bthk,bth->btk", s, iw.float()) * iq.shape[-1] ** -0.5
+    kl = _kl(p, s.masked_fill(~valid, float("-inf")))  # [B, T]
+    return (kl * q_valid).sum() / q_valid.sum().clamp_min(1)

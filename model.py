@@ -1,0 +1,508 @@
+"""
+The GLM-4 dense decoder (GLM-4-9B-0414, GLM-Z1-9B-0414), numerically the same model as transformers'
+`Glm4ForCausalLM`, plus DeepSeek Sparse Attention from dsa.py when asked for.
+
+    x -> embed -> L x [ x += post_attn_norm(attn(input_norm(x)));  x += post_mlp_norm(mlp(pre_mlp_norm(x))) ]
+      -> norm -> lm_head
+
+What makes it GLM rather than Llama: "sandwich" norms (an extra RMSNorm after attention and after the
+MLP), a bias on the Q/K/V projections, RoPE on only the first `partial_rotary_factor` of each head's
+dimensions with *interleaved* pairs (x0,x1), (x2,x3)..., and an untied LM head. Attention is GQA.
+
+One forward serves three callers:
+  - the learner: packed rows (several sequences per row, positions restarting at 0 for each one, no
+    attention across them) so no compute is spent on padding;
+  - the generator: a KVCache, batched rows with left or right padding, one or many new tokens per call;
+  - tests and tools: plain [B, T] input.
+Each of them is described by an `AttnMask`, built once per forward and shared by all layers.
+
+Checkpoints are Hugging Face directories (config.json + *.safetensors, sharded or not), read and
+written with transformers' parameter names, so a saved model loads in `Glm4ForCausalLM` and back.
+"""
+import json
+import math
+import os
+import shutil
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import dsa
+from dsa import DSAConfig
+
+
+# ----------------------------------------------------------------------------- config
+
+@dataclass
+class GLMConfig:
+    vocab_size: int = 151552
+    hidden_size: int = 4096
+    intermediate_size: int = 13696
+    num_layers: int = 40
+    num_heads: int = 32
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.5  # RoPE on the first half of each head, interleaved pairs
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = True  # bias on q/k/v only, never on o
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    pad_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    dsa: DSAConfig | None = None
+
+    def __post_init__(self):
+        if isinstance(self.dsa, dict):
+            self.dsa = DSAConfig.from_dict(self.dsa)
+        if isinstance(self.eos_token_id, int):
+            self.eos_token_id = [self.eos_token_id]
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.rope_dim % 2:
+            raise ValueError(f"head_dim * partial_rotary_factor must be even, got {self.rope_dim}")
+
+    @property
+    def rope_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "GLMConfig":
+        """From a transformers config.json: the flat form of the published GLM-Z1-9B-0414 checkpoint
+        (`rope_theta`, `partial_rotary_factor` at top level) or transformers 5's `rope_parameters`."""
+        rope = dict(d.get("rope_parameters") or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"config.json: rope_type {rope['rope_type']!r} is not supported (only 'default')")
+        return cls(
+            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"], num_heads=d["num_attention_heads"],
+            num_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            partial_rotary_factor=rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5)),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5), attention_bias=d.get("attention_bias", True),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            pad_token_id=d.get("pad_token_id"), eos_token_id=d.get("eos_token_id") or [],
+            bos_token_id=d.get("bos_token_id"), dsa=d.get("dsa"),
+        )
+
+    def to_hf(self) -> dict:
+        """transformers 5 form; the `dsa` section is ours (Glm4ForCausalLM ignores it)."""
+        d = {
+            "architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "rms_norm_eps": self.rms_norm_eps, "attention_bias": self.attention_bias,
+            "tie_word_embeddings": self.tie_word_embeddings, "max_position_embeddings": self.max_position_embeddings,
+            "pad_token_id": self.pad_token_id, "eos_token_id": self.eos_token_id, "bos_token_id": self.bos_token_id,
+        }
+        if self.dsa is not None:
+            d["dsa"] = asdict(self.dsa)
+        return d
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+
+def rope_cos_sin(position_ids, dim, theta):
+    """position_ids [B, T] -> cos, sin [B, T, dim/2] in fp32 (one angle per rotated pair)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim)
+    angles = position_ids[..., None].float() * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate interleaved pairs (x0,x1), (x2,x3), ... of the first 2*cos.shape[-1] dims; the rest pass.
+    x [B, T, H, D] (or [B, T, D]); cos, sin [B, T, R/2]."""
+    r = 2 * cos.shape[-1]
+    if x.dim() == 4:
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
+    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((rotated, x[..., r:]), dim=-1)
+
+
+# ----------------------------------------------------------------------------- masks and cache
+
+@dataclass
+class AttnMask:
+    """Which keys each query may see, without building a [T, T] matrix until a chunk asks for one.
+    Keys live in slots 0..k_len-1 (cache slots when generating); query i sits in slot q_slot[i]."""
+    q_slot: torch.Tensor  # [Tq]
+    k_len: int
+    k_valid: torch.Tensor | None = None  # [B, k_len], False on padding slots
+    doc: torch.Tensor | None = None  # [B, T] sequence id of each token of a packed row (no cache)
+
+    @property
+    def is_causal(self) -> bool:
+        return self.doc is None and self.k_valid is None and len(self.q_slot) == self.k_len
+
+    def dense(self, q0=0, q1=None) -> torch.Tensor:
+        """bool [B or 1, q1-q0, k_len]. A query always sees its own slot, so padding rows stay finite."""
+        qs = self.q_slot[q0:q1, None]
+        ks = torch.arange(self.k_len, device=qs.device)
+        m = (ks <= qs)[None]
+        if self.doc is not None:
+            m = m & (self.doc[:, q0:q1, None] == self.doc[:, None, :])
+        if self.k_valid is not None:
+            m = m & self.k_valid[:, None, :]
+        return m | (ks == qs)[None]
+
+    def q_valid(self) -> torch.Tensor:
+        """bool [B or 1, Tq]: queries that are real tokens."""
+        if self.k_valid is None:
+            return torch.ones(1, len(self.q_slot), dtype=torch.bool, device=self.q_slot.device)
+        return self.k_valid[:, self.q_slot]
+
+
+class KVCache:
+    """Preallocated per-layer keys/values [B, S, Hkv, D] (and indexer keys [B, S, d_I] on DSA `F`
+    layers). Every row writes its new tokens into the same slots; padding slots are masked out by
+    `key_mask`, so left- and right-padded batches both work."""
+
+    def __init__(self, cfg: GLMConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        kinds = cfg.dsa.layer_kinds(cfg.num_layers) if cfg.dsa else "." * cfg.num_layers
+        self.index_k = [torch.zeros(batch, max_len, cfg.dsa.head_dim, device=device, dtype=dtype)
+                        if kind == "F" else None for kind in kinds]
+        self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0  # slots filled so far (same for every row)
+        self.max_len = max_len
+
+    def write(self, store, i, new):
+        """Write new [B, T, ...] at the current slots of layer i; return all filled slots."""
+        end = self.length + new.shape[1]
+        store[i][:, self.length:end] = new
+        return store[i][:, :end]
+
+    def keep(self, rows: torch.Tensor):
+        """Drop finished rows (rows: indices to keep) so later steps do no work for them."""
+        self.k = [t[rows] for t in self.k]
+        self.v = [t[rows] for t in self.v]
+        self.index_k = [None if t is None else t[rows] for t in self.index_k]
+        self.key_mask = self.key_mask[rows]
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GLMConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        H, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+        self.kind = cfg.dsa.layer_kinds(cfg.num_layers)[layer] if cfg.dsa else None  # "F", "S" or None
+        self.indexer = dsa.Indexer(cfg.hidden_size, cfg.dsa) if self.kind == "F" else None
+
+    def forward(self, x, rope, mask: AttnMask, cache, selected, indexer_loss):
+        """Returns (output, selected, kl): `selected` is this layer's (idx, valid) top-k choice, handed on
+        to the following `S` layers (IndexCache); kl is the indexer loss of an `F` layer when asked for."""
+        B, T, _ = x.shape
+        D, scale = self.cfg.head_dim, self.cfg.head_dim ** -0.5
+        q = apply_rope(self.q_proj(x).view(B, T, -1, D), *rope["main"])
+        k = apply_rope(self.k_proj(x).view(B, T, -1, D), *rope["main"])
+        v = self.v_proj(x).view(B, T, -1, D)
+        if cache is not None:
+            k, v = cache.write(cache.k, self.layer, k), cache.write(cache.v, self.layer, v)
+
+        if self.indexer is not None:
+            # The indexer sees a detached input: it must never push gradients into the model.
+            # Outside indexer training nothing flows through it at all (top-k is not differentiable).
+            with torch.set_grad_enabled(torch.is_grad_enabled() and indexer_loss is not None):
+                iq, ik, iw = self.indexer(x.detach())
+                iq, ik = apply_rope(iq, *rope["index"]), apply_rope(ik, *rope["index"])
+            if cache is not None:
+                ik = cache.write(cache.index_k, self.layer, ik)
+            sparse = indexer_loss != "dense" and self.cfg.dsa.topk < mask.k_len
+            selected = dsa.select_topk(iq, iw, ik, mask, self.cfg.dsa.topk) if sparse else None
+        kl = None
+        if self.kind is not None and selected is not None:
+            idx, valid = selected
+            if self.indexer is not None and indexer_loss == "sparse":
+                out, p = dsa.sparse_attention(q, k, v, idx, valid, scale, return_probs=True)
+                kl = dsa.sparse_indexer_kl(iq, iw, ik, idx, valid, p, mask.q_valid().float())
+            else:
+                out = dsa.sparse_attention(q, k, v, idx, valid, scale)
+        else:
+            # With top-k >= visible keys, DSA selects every key: dense attention is then exactly DSA.
+            out = dense_attention(q, k, v, mask, scale)
+            if self.indexer is not None and indexer_loss is not None:
+                kl = dsa.dense_indexer_kl(iq, iw, ik, q, k, mask, scale)
+        return self.o_proj(out.reshape(B, T, -1)), selected, kl
+
+
+def dense_attention(q, k, v, mask: AttnMask, scale):
+    """q [B, Tq, H, D], k/v [B, Tk, Hkv, D] -> [B, Tq, H, D], via PyTorch's fused SDPA kernels."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if mask.is_causal:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense()[:, None], scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GLMConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused [gate; up]
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GLMConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # (the pre-MLP norm)
+        self.mlp = MLP(cfg)
+        self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, mask, cache, selected, indexer_loss):
+        h, selected, kl = self.self_attn(self.input_layernorm(x), rope, mask, cache, selected, indexer_loss)
+        x = x + self.post_self_attn_layernorm(h)
+        return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x))), selected, kl
+
+
+class GLM(nn.Module):
+    def __init__(self, cfg: GLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.gradient_checkpointing = False  # recompute each block in backward (learner memory option)
+        self.apply(init_weights)
+
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None,
+                last_only=False, indexer_loss=None, return_hidden=False):
+        """input_ids [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only).
+
+        position_ids [B, T]: restart at 0 for each sequence of a packed row (no cache); with a cache,
+            the caller gives each row's real positions (they skip padding).
+        attention_mask [B, T]: 1 for real tokens, 0 for padding.
+        indexer_loss: None, "dense" (warm-up: dense attention, KL on all keys) or "sparse" (top-k
+            attention, KL on the selected keys); then returns (logits, indexer KL averaged over F layers).
+        return_hidden: return the final normed hidden states [B, T, hidden] instead of logits (the
+            learner applies lm_head in chunks to keep [T, vocab] logits out of memory).
+        """
+        B, T = input_ids.shape
+        device = input_ids.device
+        past = cache.length if cache is not None else 0
+        if cache is not None and past + T > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} slots; {past} used + {T} new tokens do not fit")
+        valid = attention_mask.bool() if attention_mask is not None else None
+        if position_ids is None:
+            position_ids = (past + torch.arange(T, device=device)).expand(B, T)
+            doc = None
+        else:
+            doc = None if cache is not None else (position_ids == 0).cumsum(1)
+        if cache is not None:
+            cache.key_mask[:, past:past + T] = True if valid is None else valid
+            mask = AttnMask(torch.arange(past, past + T, device=device), past + T, cache.key_mask[:, :past + T])
+        else:
+            mask = AttnMask(torch.arange(T, device=device), T, valid, doc)
+
+        rope = {"main": rope_cos_sin(position_ids, self.cfg.rope_dim, self.cfg.rope_theta)}
+        if self.cfg.dsa is not None:
+            rope["index"] = rope_cos_sin(position_ids, self.cfg.dsa.rope_dim, self.cfg.rope_theta)
+        if indexer_loss not in (None, "dense", "sparse"):
+            raise ValueError(f"indexer_loss must be None, 'dense' or 'sparse', got {indexer_loss!r}")
+        if indexer_loss is not None and self.cfg.dsa is None:
+            raise ValueError("indexer_loss needs a model with DSA (dsa=... when loading)")
+
+        x = self.embed_tokens(input_ids)
+        selected, kls = None, []  # top-k choice flows from each F layer to the S layers after it
+        for block in self.layers:
+            args = (x, rope, mask, cache, selected, indexer_loss)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x, selected, kl = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
+            else:
+                x, selected, kl = block(*args)
+            if kl is not None:
+                kls.append(kl)
+        if cache is not None:
+            cache.length = past + T
+        x = self.norm(x[:, -1:] if last_only else x)
+        out = x if return_hidden else self.lm_head(x)
+        if indexer_loss is not None:
+            return out, torch.stack(kls).mean()
+        return out
+
+    def indexer_parameters(self):
+        return [p for n, p in self.named_parameters() if ".indexer." in n]
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    @classmethod
+    def from_pretrained(cls, path, dsa=None, dtype=None, device=None) -> "GLM":
+        """Load an HF directory. dsa: None keeps the checkpoint's own setting (dense for a GLM-4
+        checkpoint), a dict (or DSAConfig) turns DSA on, False turns it off. Indexer weights missing
+        from the checkpoint are freshly initialised (and we say so); any other missing or misshapen
+        tensor is an error naming it."""
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face model directory)")
+        with open(cfg_path) as f:
+            cfg = GLMConfig.from_hf(json.load(f))
+        if dsa is not None:
+            cfg = replace(cfg, dsa=dsa or None)  # re-validates; a dict becomes a DSAConfig
+        dtype = dtype or (torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32)
+
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = {hf_name(n): p for n, p in model.state_dict(keep_vars=True).items()}
+        if cfg.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+        loaded, fresh = {}, []
+        for file, names in _safetensors_files(path).items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in names:
+                    if name not in expected:
+                        if ".indexer." in name and cfg.dsa is None:
+                            continue  # a DSA checkpoint loaded dense
+                        raise ValueError(f"{file}: unexpected tensor {name} (not part of {describe(cfg)})")
+                    t = f.get_tensor(name)
+                    if tuple(t.shape) != tuple(expected[name].shape):
+                        raise ValueError(f"{file}: tensor {name} has shape {tuple(t.shape)}, "
+                                         f"expected {tuple(expected[name].shape)}")
+                    loaded[name] = t.to(device=device, dtype=dtype)
+        for name in expected:
+            if name not in loaded:
+                if ".indexer." not in name:
+                    raise ValueError(f"{path}: checkpoint is missing tensor {name}")
+                fresh.append(name)
+        model.to_empty(device=device or "cpu")
+        model.to(dtype)
+        state = {our_name(n): t for n, t in loaded.items()}
+        model.load_state_dict(state, strict=False, assign=False)
+        if fresh:
+            for layer in model.layers:
+                if layer.self_attn.indexer is not None:
+                    layer.self_attn.indexer.apply(init_weights)
+            print(f"[model] {path}: no indexer weights in the checkpoint; initialised {len(fresh)} indexer "
+                  f"tensors fresh (train them with the DSA warm-up before using sparse attention)")
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model
+
+    def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
+        """Write config.json + safetensors (sharded with an index above max_shard_bytes) into a temp
+        directory, then rename it into place: a crash never leaves a half-written checkpoint."""
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        state = {hf_name(n): t.detach().to("cpu").contiguous() for n, t in self.state_dict().items()}
+        if self.cfg.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        shards, size = [{}], 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][name] = t
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(tmp, fname), metadata={"format": "pt"})
+                weight_map.update({n: fname for n in shard})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        config = self.cfg.to_hf()
+        config["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if os.path.exists(path):
+            old = path.rstrip("/") + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+
+
+def hf_name(name: str) -> str:
+    """Our parameter names are transformers' without the `model.` prefix of the decoder."""
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def our_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else name.removeprefix("model.")
+
+
+def describe(cfg: GLMConfig) -> str:
+    return (f"GLM with {cfg.num_layers} layers, hidden {cfg.hidden_size}" +
+            (f", DSA {cfg.dsa.pattern} top-{cfg.dsa.topk}" if cfg.dsa else ", dense attention"))
+
+
+def _safetensors_files(path) -> dict[str, list[str]]:
+    """{file: [tensor names]} from model.safetensors.index.json, or every *.safetensors file."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = {}
+        for name, fname in weight_map.items():
+            files.setdefault(os.path.join(path, fname), []).append(name)
+        return files
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files")
+    out = {}
+    for fname in files:
+        with safe_open(os.path.join(path, fname), framework="pt") as f:
+            out[os.path.join(path, fname)] = list(f.keys())
+    return out
+
+
+def init_weights(m: nn.Module):
+    """Small normal init (std 0.02) as transformers does; norms start at identity."""
+    if isinstance(m, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(m.weight, std=0.02)
+        if getattr(m, "bias", None) is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, RMSNorm):
+        nn.init.ones_(m.weight)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)

@@ -1,0 +1,193 @@
+"""model.py against transformers' Glm4ForCausalLM (the reference), on random tiny configs in float32."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import Glm4Config, Glm4ForCausalLM
+
+from model import GLM, GLMConfig, KVCache
+
+# (heads, kv heads, head_dim, rotary fraction, layers): different GQA groupings and rotary fractions.
+CONFIGS = [(4, 2, 16, 0.5, 2), (4, 4, 8, 1.0, 1), (6, 1, 16, 0.25, 3), (8, 2, 12, 0.5, 2)]
+
+
+def hf_config(heads, kv, head_dim, frac, layers, vocab=97):
+    return Glm4Config(vocab_size=vocab, hidden_size=48, intermediate_size=80, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": frac},
+                      rms_norm_eps=1e-5, pad_token_id=0, eos_token_id=[1], max_position_embeddings=256)
+
+
+def random_hf_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    m = Glm4ForCausalLM(cfg).float().eval()
+    m.config._attn_implementation = "eager"
+    with torch.no_grad():  # perturb every tensor so norms, biases and the head are all exercised
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return m
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module", params=range(len(CONFIGS)))
+def pair(request, tmp_path_factory):
+    hf = random_hf_model(hf_config(*CONFIGS[request.param]), seed=request.param)
+    path = str(tmp_path_factory.mktemp("hf"))
+    hf.save_pretrained(path)
+    return hf, GLM.from_pretrained(path).eval(), path
+
+
+def test_logits_match_transformers(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(0, 97, (3, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel_err(ours(ids), hf(ids).logits) < 1e-5
+
+
+def test_padded_batch_matches_transformers(pair):
+    hf, ours, _ = pair
+    ids = torch.randint(2, 97, (2, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding on row 1
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, position_ids=pos).logits
+        out = ours(ids, attention_mask=mask, position_ids=pos, cache=KVCache(ours.cfg, 2, 12))
+    assert rel_err(out[mask.bool()], ref[mask.bool()]) < 1e-5
+
+
+def test_ours_to_transformers_roundtrip(pair, tmp_path):
+    hf, ours, _ = pair
+    ours.save_pretrained(str(tmp_path / "ours"))
+    back = Glm4ForCausalLM.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32).eval()
+    for name, t in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        assert rel_err(back(ids).logits, hf(ids).logits) < 1e-6
+
+
+def test_flat_and_rope_parameters_config_forms(tmp_path):
+    """The published GLM-Z1-9B-0414 config.json keeps rope_theta / partial_rotary_factor at top level."""
+    modern = json.loads(hf_config(4, 2, 16, 0.5, 1).to_json_string())
+    flat = {k: v for k, v in modern.items() if k != "rope_parameters"}
+    flat.update(rope_theta=10000.0, partial_rotary_factor=0.5)
+    assert GLMConfig.from_hf(flat) == GLMConfig.from_hf(modern)
+    nine_b = GLMConfig.from_hf({"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696,
+                                "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+                                "head_dim": 128, "rope_theta": 10000, "partial_rotary_factor": 0.5,
+                                "rms_norm_eps": 1e-5, "attention_bias": True})
+    assert (nine_b.rope_dim, nine_b.num_kv_heads, nine_b.tie_word_embeddings) == (64, 2, False)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in GLM(nine_b).parameters())
+    assert 9.0e9 < n < 9.5e9  # GLM-4-9B-0414 has 9.4B parameters
+
+
+def test_sharded_checkpoint_loads(pair, tmp_path):
+    hf, ours, _ = pair
+    ours.save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=20_000)
+    assert os.path.exists(tmp_path / "sharded" / "model.safetensors.index.json")
+    again = GLM.from_pretrained(str(tmp_path / "sharded"))
+    for (n, a), b in zip(ours.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_bad_checkpoints_name_the_tensor(pair, tmp_path):
+    _, ours, path = pair
+    state = load_file(os.path.join(path, "model.safetensors"))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with open(os.path.join(path, "config.json")) as f:
+        (bad / "config.json").write_text(f.read())
+    name = "model.layers.0.self_attn.k_proj.weight"
+    wrong = dict(state, **{name: torch.zeros(3, 3)})
+    save_file(wrong, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight has shape \(3, 3\)"):
+        GLM.from_pretrained(str(bad))
+    missing = {k: v for k, v in state.items() if k != "model.norm.weight"}
+    save_file(missing, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor model\.norm\.weight"):
+        GLM.from_pretrained(str(bad))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        GLM.from_pretrained(str(tmp_path / "nowhere"))
+
+
+def test_cached_decode_equals_full_forward(pair):
+    _, ours, _ = pair
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 97, (3, 16), generator=g)
+    with torch.no_grad():
+        full = ours(ids)
+        cache = KVCache(ours.cfg, 3, 16)
+        steps = [ours(ids[:, :6], cache=cache)]  # prefill, then one token at a time
+        for t in range(6, 16):
+            steps.append(ours(ids[:, t:t + 1], cache=cache))
+    assert rel_err(torch.cat(steps, 1), full) < 1e-5
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_cached_decode_equals_unpadded(pair, side):
+    """Rows of different lengths in one cached batch give the same logits as each row alone."""
+    _, ours, _ = pair
+    g = torch.Generator().manual_seed(4)
+    lens, T, new = [9, 5, 7], 9, 4
+    prompts = [torch.randint(2, 97, (n,), generator=g) for n in lens]
+    cont = torch.randint(2, 97, (3, new), generator=g)
+    ids, mask = torch.zeros(3, T, dtype=torch.long), torch.zeros(3, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        sl = slice(T - len(p), T) if side == "left" else slice(0, len(p))
+        ids[i, sl], mask[i, sl] = p, 1
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        cache = KVCache(ours.cfg, 3, T + new)
+        ours(ids, position_ids=pos, attention_mask=mask, cache=cache)
+        nxt = pos.max(1).values + 1
+        outs = []
+        for t in range(new):
+            outs.append(ours(cont[:, t:t + 1], position_ids=(nxt + t)[:, None], cache=cache))
+        batched = torch.cat(outs, 1)
+        for i, p in enumerate(prompts):
+            alone = ours(torch.cat([p, cont[i]])[None])[0, len(p):]
+            assert rel_err(batched[i], alone) < 1e-5
+
+
+def test_packed_forward_equals_separate(pair):
+    _, ours, _ = pair
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 97, (n,), generator=g) for n in (5, 8, 3)]
+    packed = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
+    with torch.no_grad():
+        out = ours(packed, position_ids=pos)[0]
+        ref = torch.cat([ours(s[None])[0] for s in seqs])
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_gradient_checkpointing_same_gradients(pair):
+    _, ours, _ = pair
+    ids = torch.randint(0, 97, (2, 10))
+    grads = []
+    for ckpt in (False, True):
+        ours.zero_grad()
+        ours.gradient_checkpointing = ckpt
+        ours(ids).logsumexp(-1).mean().backward()
+        grads.append([p.grad.clone() for p in ours.parameters()])
+    ours.gradient_checkpointing = False
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_tied_embeddings_roundtrip(tmp_path):
+    cfg = GLMConfig(vocab_size=31, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                    num_kv_heads=1, head_dim=8, tie_word_embeddings=True)
+    m = GLM(cfg)
+    m.save_pretrained(str(tmp_path / "tied"))
+    back = GLM.from_pretrained(str(tmp_path / "tied"))
+    assert back.lm_head.weight is back.embed_tokens.weight
+    ids = torch.randint(0, 31, (1, 5))
+    assert torch.equal(m(ids), back(ids))
