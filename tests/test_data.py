@@ -3,17 +3,14 @@
 import itertools
 import json
 import math
-import os
 import random
-import sys
 import threading
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
-from data import (PromptStream, eval_metrics, load_jsonl, make_tiny_tokenizer, math_reward,  # noqa: E402
+import data
+from data import (PromptStream, eval_metrics, load_jsonl, make_tiny_tokenizer, math_reward,
                   pack_by_tokens, pass_at_k, render_prompt, split_across_ranks, synthetic_task)
 
 
