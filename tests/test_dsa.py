@@ -45,8 +45,8 @@ def test_indexer_scores_match_naive_float64_loop():
     ours = dsa.index_scores(apply_rope(q, cos, sin), w, apply_rope(k, cos, sin))[0]
 
     X = x[0].double()
-    Wq, Wk, Ww = (m.weight.double() for m in (ix.wq, ix.wk, ix.weights_proj))
-    g, b = ix.k_norm.weight.double(), ix.k_norm.bias.double()
+    Wq, Wk, Ww = (m.weight.detach().double() for m in (ix.wq, ix.wk, ix.weights_proj))
+    g, b = ix.k_norm.weight.detach().double(), ix.k_norm.bias.detach().double()
 
     def rot(vec, p):  # interleaved pairs (0,1), (2,3) of the first rope_dim dims
         out = vec.clone()
