@@ -351,28 +351,15 @@ def _split_of(prompt):
     return "test" if hashlib.md5(prompt.encode()).digest()[0] < 26 else "train"  # ~10% held out
 
 
-def synthetic_task(n, seed, split="train", boxed_fraction=1.0):
+def synthetic_task(n, seed, split="train"):
     """n examples {"prompt": "12+7=", "label": "19", "solution": "\\boxed{19}"}; the first
-    len(pool) are distinct (806 train / 94 test problems), later ones cycle through the pool.
-
-    boxed_fraction < 1 writes that share of the reference solutions as a bare "19", which the grader
-    does not accept (it reads only \\boxed{}). A model warmed up on them boxes about that often, like a
-    base model whose answer format is not yet the one rewarded; RL then has a habit to learn that
-    carries over to held-out problems, on top of sharper arithmetic. Which problems are bare is
-    fixed by their hash, not by the seed."""
+    len(pool) are distinct (806 train / 94 test problems), later ones cycle through the pool."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    if not 0.0 <= boxed_fraction <= 1.0:
-        raise ValueError(f"boxed_fraction must be in [0, 1], got {boxed_fraction}")
     pool = [(p, a) for p, a in _arithmetic_problems() if _split_of(p) == split]
     random.Random(seed).shuffle(pool)
     picked = [pool[i % len(pool)] for i in range(n)]
-
-    def solution(prompt, answer):
-        boxed = hashlib.md5(("format:" + prompt).encode()).digest()[0] < 256 * boxed_fraction
-        return f"\\boxed{{{answer}}}" if boxed else str(answer)
-
-    return [{"prompt": p, "label": str(a), "solution": solution(p, a)} for p, a in picked]
+    return [{"prompt": p, "label": str(a), "solution": f"\\boxed{{{a}}}"} for p, a in picked]
 
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
