@@ -1,0 +1,356 @@
+"""Tests for train.py: config loading and validation, the learner's packed logprobs against the
+generator's, one RL step in-process (staleness filter, on-policy check, micro-batch gradients), and short
+end-to-end runs of the tiny config in a subprocess (metrics, checkpoints, Ctrl-C, resume after a kill)."""
+import copy
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+
+import data
+import grpo
+import train
+from model import GLM, GLMConfig
+from rollout import RolloutBatch, Sample, SamplingParams, TorchEngine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+GLM9B = os.path.join(ROOT, "configs", "glm9b_math.yaml")
+DICT_KEYS = {"model.init", "model.dsa"}  # free-form mappings, checked by GLMConfig / DSAConfig
+
+# A few seconds per run: a smaller model, every stage a few steps, a checkpoint every 2 steps.
+FAST = ["model.init.hidden_size=32", "model.init.intermediate_size=64", "model.init.num_layers=2",
+        "model.init.head_dim=8", "train.dsa_warmup_steps=2", "train.sft_steps=4", "train.rl_steps=4",
+        "train.warmup_batch_size=16", "rollout.prompts_per_step=4", "rollout.n=4", "train.eval_every=2",
+        "train.eval_n=2", "data.eval_size=8", "train.save_every=2", "train.keep_checkpoints=20",
+        "optim.warmup_steps=2", "grpo.old_logp=recompute"]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def write_yaml(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_unknown_key_names_key_and_suggestion(tmp_path):
+    path = write_yaml(tmp_path, "model:\n  init: {hidden_size: 8}\nrollout:\n  temprature: 0.5\n")
+    with pytest.raises(train.ConfigError) as e:
+        train.load_config(path)
+    assert str(e.value) == f"{path}: unknown key rollout.temprature (did you mean rollout.temperature?)"
+    with pytest.raises(train.ConfigError, match=r"^command line: unknown key optim\.lrr \(did you mean optim\.lr\?\)$"):
+        train.load_config(TINY, ["optim.lrr=0.1"])
+    with pytest.raises(train.ConfigError, match="unknown key zzz_qqq$"):  # nothing close: no suggestion
+        train.load_config(TINY, ["zzz_qqq=1"])
+    with pytest.raises(train.ConfigError, match=r"unknown key model\.init\.hiden_size \(did you mean model\.init\.hidden_size\?\)"):
+        train.load_config(TINY, ["model.init.hiden_size=8"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.n=abc", "rollout.n must be int, got 'abc'"),
+    ("rollout.n=true", "rollout.n must be int, got True"),
+    ("rollout.n=2.5", "rollout.n must be int, got 2.5"),
+    ("rollout.temperature=hot", "rollout.temperature must be float, got 'hot'"),
+    ("rollout.chat_template=1", "rollout.chat_template must be bool, got 1"),
+    ("model.path=3", "model.path must be str or null, got 3"),
+    ("optim.betas=0.9", "optim.betas must be list, got 0.9"),
+    ("rollout=3", "rollout must be a mapping of keys, got 3"),
+    ("rollout.n.x=3", "rollout.n.x: n is not a mapping"),
+    ("rollout.temperature=0", "rollout.temperature must be > 0"),
+    ("grpo.agg=mean", "grpo.agg must be one of"),
+    ("grpo.old_logp=cached", "grpo.old_logp must be recompute or generator"),
+    ("model.path=/some/dir", "set exactly one of model.path and model.init"),
+    ("model.init.vocab_size=10", "model.init must not set ['vocab_size']"),
+    ("model.init.num_kv_heads=3", "num_heads (4) must be a multiple of num_kv_heads (3)"),
+    ("model.dsa.pattern=SF", "dsa.pattern must be a string of F/S starting with F"),
+    ("model.dsa.top_k=8", "unknown dsa key(s) ['top_k']"),
+])
+def test_bad_values_fail_with_the_key(override, message):
+    with pytest.raises(train.ConfigError) as e:
+        train.load_config(TINY, [override])
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_overrides_and_yaml_number_forms(tmp_path):
+    cfg = train.load_config(TINY, ["run_dir=/tmp/x", "optim.lr=1e-6", "rollout.temperature=1", "model.init.num_layers=5",
+                                   "grpo.tis_cap=2", "grpo.icepop_beta=null", "optim.betas=[0.8, 0.9]"])
+    assert cfg.run_dir == "/tmp/x"
+    assert cfg.optim.lr == 1e-6 and isinstance(cfg.optim.lr, float)  # YAML reads "1e-6" as a string
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.model.init["num_layers"] == 5 and cfg.model.init["hidden_size"] == 96  # the rest of init kept
+    assert cfg.grpo.tis_cap == 2.0 and cfg.grpo.icepop_beta is None and cfg.optim.betas == [0.8, 0.9]
+    assert train.load_config(write_yaml(tmp_path, "model: {init: {}}\n")).rollout.n == 8  # defaults fill in
+
+
+def yaml_keys(d, prefix=""):
+    keys = []
+    for k, v in d.items():
+        name = prefix + k
+        keys += yaml_keys(v, name + ".") if isinstance(v, dict) and name not in DICT_KEYS else [name]
+    return keys
+
+
+@pytest.mark.parametrize("path", [TINY, GLM9B])
+def test_yaml_has_every_key_and_documents_it(path):
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    assert sorted(yaml_keys(raw)) == sorted(train.config_keys()), "YAML keys and Config fields differ"
+    train.load_config(path)  # and it validates
+    lines = open(path).read().splitlines()
+    for i, line in enumerate(lines):  # every key line has a comment, on it or just above it
+        if re.match(r"^\s*[A-Za-z_]\w*:", line):
+            above = lines[i - 1].strip() if i else ""
+            assert "#" in line or above.startswith("#"), f"{path}:{i + 1}: key without a comment: {line.strip()}"
+
+
+def test_every_key_is_read():
+    src = open(os.path.join(ROOT, "train.py")).read()
+    for key in train.config_keys():
+        assert re.search(rf"\.{key.rpartition('.')[2]}\b", src), f"nothing in train.py reads {key}"
+
+
+def test_glm9b_recipe_numbers():
+    cfg = train.load_config(GLM9B)
+    r, g, o, t = cfg.rollout, cfg.grpo, cfg.optim, cfg.train
+    assert cfg.model.path.endswith("GLM-Z1-9B-0414") and cfg.data.train.endswith("dapo-math-17k.jsonl")
+    assert (r.prompts_per_step, r.n, r.temperature, r.max_new_tokens) == (32, 8, 1.0, 8192)
+    assert (g.eps_low, g.eps_high, g.agg, g.kl_coef, g.icepop_beta) == (0.2, 0.28, "seq-mean-token-mean", 0.0, 2.0)
+    assert (o.lr, o.weight_decay, o.betas, o.max_tokens_per_micro_batch) == (1e-6, 0.1, [0.9, 0.98], 4608)
+    assert (t.eval_every, t.eval_n, t.eval_max_new_tokens) == (20, 16, 16384)
+
+
+def test_cli_config_error_is_one_line():
+    p = subprocess.run([sys.executable, "train.py", "rollout.temprature=1"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines() == [
+        f"error: command line: unknown key rollout.temprature (did you mean rollout.temperature?)"]
+
+
+# ----------------------------------------------------------------------------- learner vs generator
+
+
+def tiny_model(seed=0, topk=4):
+    torch.manual_seed(seed)
+    cfg = GLMConfig(vocab_size=len(data.make_tiny_tokenizer()), hidden_size=32, intermediate_size=64,
+                    num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=[1], pad_token_id=0,
+                    dsa={"topk": topk, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
+    model = GLM(cfg)
+    with torch.no_grad():  # sharper than the 0.02 init, so probabilities and top-k choices differ
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module")
+def rollouts():
+    """A learner model, an engine holding an identical copy, and completions sampled from it."""
+    tok = data.make_tiny_tokenizer()
+    model = tiny_model()
+    engine = TorchEngine(copy.deepcopy(model), max_batch=8)
+    prompts = [data.render_prompt(tok, ex["prompt"]) for ex in data.synthetic_task(6, seed=1)] + [[4, 9], [4, 9, 9, 9, 9]]
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, stop_token_ids=(1,))
+    comps = engine.generate([p for p in prompts for _ in range(2)], sampling, seed=3)  # groups of 2
+    return model, engine, [p for p in prompts for _ in range(2)], comps
+
+
+def test_packed_logprobs_match_generator(rollouts):
+    """The learner's packed forward (several samples per row, positions restarting at 0) gives the
+    generator's logprobs: same tokens, same temperature, same DSA top-k, full distribution (top-p aside)."""
+    model, _, prompts, comps = rollouts
+    assert max(len(p) + len(c.token_ids) for p, c in zip(prompts, comps)) > 4  # top-k 4: attention is sparse
+    rows = [(p + c.token_ids, len(p)) for p, c in zip(prompts, comps)]
+    with torch.no_grad():
+        for mb in data.pack_by_tokens([len(s) for s, _ in rows], 60):
+            logp, ent, _ = train.packed_forward(model, [rows[i] for i in mb], temperature=0.7)
+            for i, lp in zip(mb, logp):
+                assert len(lp) == len(comps[i].token_ids)
+                assert (lp - torch.tensor(comps[i].logprobs)).abs().max() < 1e-4
+
+
+def make_batch(prompts, comps, versions, n=2):
+    samples = [Sample(p, c.token_ids, c.logprobs, float(i % 3 == 0), i // n, v, c.finish_reason, {})
+               for i, (p, c, v) in enumerate(zip(prompts, comps, versions))]
+    return RolloutBatch(samples, index=0, stream_state={}, metrics={})
+
+
+def rl_setup(model, **overrides):
+    overrides = {"grpo.old_logp": "recompute", "rollout.temperature": 0.7} | overrides
+    cfg = train.load_config(TINY, [f"{k}={v}" for k, v in overrides.items()])
+    return cfg, torch.optim.AdamW(p for n, p in model.named_parameters() if ".indexer." not in n), grpo.KLGuard()
+
+
+def test_rl_step_on_policy_and_staleness_filter(rollouts):
+    model, _, prompts, comps = rollouts
+    learner = copy.deepcopy(model)
+    cfg, opt, guard = rl_setup(learner, **{"rollout.max_staleness": 1})
+    # Learner at version 5: samples from versions 5 and 4 are fresh, one touched by version 3 is not.
+    versions = [(5, 5)] * 8 + [(4, 5)] * 6 + [(3, 5)] + [(4, 4)]
+    m = train.rl_step(cfg, learner, None, opt, guard, make_batch(prompts, comps, versions), version=5)
+    assert m["staleness/dropped"] == 1 and m["staleness/max"] == 1 and m["train/samples"] == 15
+    # Same weights as the generator, so the recomputed pi_old is the generator's logprobs.
+    assert m["train/logp_diff_max"] < 1e-4
+    assert m["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("agg", grpo.AGG_MODES)
+def test_micro_batches_sum_to_the_full_batch_gradient(rollouts, agg):
+    model, _, prompts, comps = rollouts
+    batch = make_batch(prompts, comps, [(0, 0)] * len(comps))
+    grads = []
+    for budget in (20, 10_000):  # many packed rows vs. one
+        learner = copy.deepcopy(model)
+        cfg, opt, guard = rl_setup(learner, **{"optim.max_tokens_per_micro_batch": budget, "grpo.agg": agg})
+        train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+        grads.append(torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None]))
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def run_train(run_dir, *overrides, resume=False, wait=True):
+    cmd = [sys.executable, "train.py", "--config", TINY, f"run_dir={run_dir}", *FAST, *overrides]
+    if resume:
+        cmd.append("--resume")
+    if not wait:
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+EXPECTED_STEPS = ([("dsa_warmup", s) for s in range(1, 3)] + [("sft", s) for s in range(1, 5)] +
+                  [("rl", s) for s in range(0, 5)])
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("async"))
+    run_train(run_dir, "rollout.max_staleness=1")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("sync"))
+    run_train(run_dir, "rollout.max_staleness=0")
+    return run_dir
+
+
+def test_metrics_one_line_per_step(async_run):
+    rows = metrics(async_run)
+    assert [(r["stage"], r["step"]) for r in rows] == EXPECTED_STEPS
+    rl = [r for r in rows if r["stage"] == "rl"]
+    assert [r["step"] for r in rl if "eval/accuracy" in r] == [0, 2, 4]
+    for r in rl[1:]:
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/lr", "train/clip_frac_high", "rollout/reward",
+                    "rollout/response_len", "staleness/max", "staleness/dropped", "perf/tokens_per_s",
+                    "perf/generator_idle", "perf/learner_wait_s", "time/elapsed_s"):
+            assert key in r, key
+    assert [r["global_step"] for r in rows] == [1, 2, 3, 4, 5, 6, 6, 7, 8, 9, 10]
+
+
+@pytest.mark.parametrize("which, bound", [("sync_run", 0), ("async_run", 1)])
+def test_staleness_never_exceeds_the_bound(which, bound, request):
+    rl = [r for r in metrics(request.getfixturevalue(which)) if r["stage"] == "rl" and r["step"] > 0]
+    assert all(r["staleness/max"] <= bound and r["staleness/dropped"] == 0 for r in rl)
+    if bound == 1:  # batch 1 is generated while step 0 trains: the async path really ran ahead
+        assert max(r["staleness/max"] for r in rl) == 1
+
+
+def test_sync_mode_is_on_policy(sync_run):
+    rl = [r for r in metrics(sync_run) if r["stage"] == "rl" and r["step"] > 0]
+    assert all(r["train/logp_diff_max"] < 1e-4 for r in rl)
+
+
+def test_checkpoints_are_model_directories(async_run):
+    ckpts = train.checkpoints(async_run)
+    assert [os.path.basename(c) for c in ckpts] == ["step_000002", "step_000004", "step_000006", "step_000008", "step_000010"]
+    model = GLM.from_pretrained(ckpts[-1])
+    assert model.cfg.dsa is not None and model.cfg.dsa.topk == 8
+    state = torch.load(os.path.join(ckpts[-1], "state.pt"), weights_only=False)
+    assert (state["stage"], state["step"], state["global_step"]) == ("rl", 4, 10)
+    assert state["stream"]["position"] == 4 * 4  # 4 RL batches of 4 prompts consumed
+    assert os.path.isfile(os.path.join(ckpts[-1], "tokenizer.json"))
+    assert not [d for d in os.listdir(os.path.join(async_run, "checkpoints")) if d.startswith(".")]
+
+
+def test_fresh_run_refuses_an_existing_run_dir(async_run):
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={async_run}"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and "already holds a run; pass --resume" in p.stderr
+
+
+def wait_for(cond, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"run ended early: {proc.stderr.read()[-2000:]}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_resume_after_kill_continues_exactly(sync_run, tmp_path):
+    """SIGKILL right after the first checkpoint, --resume, and the run ends as if never stopped:
+    same (stage, step) sequence with nothing repeated or skipped, and, in synchronous mode where
+    everything is seeded, the same losses and eval numbers."""
+    run_dir = str(tmp_path / "killed")
+    proc = run_train(run_dir, "rollout.max_staleness=0", wait=False)
+    wait_for(lambda: train.checkpoints(run_dir), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        assert len(f.readlines()) < len(EXPECTED_STEPS)  # killed mid-run (its last line may be cut short)
+    run_train(run_dir, "rollout.max_staleness=0", resume=True)
+    got, want = metrics(run_dir), metrics(sync_run)
+    assert [(r["stage"], r["step"]) for r in got] == EXPECTED_STEPS
+    for a, b in zip(got, want):
+        for key in ("train/loss", "train/indexer_kl", "rollout/reward", "eval/accuracy", "train/grad_norm"):
+            assert (key in a) == (key in b)
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["stage"], a["step"], key)
+    state = torch.load(os.path.join(train.checkpoints(run_dir)[-1], "state.pt"), weights_only=False)
+    assert state["stream"] == torch.load(os.path.join(train.checkpoints(sync_run)[-1], "state.pt"),
+                                         weights_only=False)["stream"]
+
+
+def test_ctrl_c_stops_cleanly(tmp_path):
+    run_dir = str(tmp_path / "interrupted")
+    proc = run_train(run_dir, "train.rl_steps=1000", "train.eval_every=0", "train.save_every=1000", wait=False)
+    wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
+             any(r["stage"] == "rl" and r["step"] > 1 for r in metrics(run_dir)), proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)  # the generator thread was stopped and joined
+    assert proc.returncode == 1 and "interrupted; continue with" in err
+    assert not [d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.startswith(".")]
+    for line in open(os.path.join(run_dir, "metrics.jsonl")):
+        json.loads(line)  # no half-written line
+
+
+def test_every_optional_path_runs(tmp_path):
+    """KL loss with a frozen reference and the KL guard, TIS + IcePop + dual clip, entropy bonus,
+    dynamic sampling, aborting instead of partial rollouts, token-mean, generator logprobs as pi_old."""
+    run_dir = str(tmp_path / "options")
+    run_train(run_dir, "grpo.kl_coef=0.01", "grpo.kl_guard=true", "grpo.kl_guard_threshold=1e-9", "grpo.tis_cap=2",
+              "grpo.dual_clip=3", "grpo.entropy_coef=0.01", "grpo.agg=token-mean", "grpo.old_logp=generator",
+              "rollout.dynamic_sampling=true", "rollout.partial_rollout=false", "train.dsa_warmup_steps=0")
+    rl = [r for r in metrics(run_dir) if r["stage"] == "rl" and r["step"] > 0]
+    assert len(rl) == 4 and os.path.isfile(os.path.join(run_dir, "reference", "config.json"))
+    assert all("train/kl" in r and "train/is_weight_mean" in r and "train/dual_clip_frac" in r for r in rl)
+    assert rl[-1]["kl_guard/fired"] == 1.0 and rl[-1]["kl_guard/scale"] < 1.0  # any KL is above a 1e-9 threshold
+    assert rl[-1]["train/lr"] == pytest.approx(5e-4 * rl[-1]["kl_guard/scale"])  # the guard brakes the lr
+    assert "train/logp_diff_max" not in rl[0]  # only measured when pi_old is recomputed
