@@ -422,9 +422,25 @@ class GLM(nn.Module):
     def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
         """Write config.json + safetensors (sharded with an index above max_shard_bytes) into a temp
         directory, then rename it into place: a crash never leaves a half-written checkpoint."""
-        tmp = path.rstrip("/") + ".tmp"
+        path = path.rstrip("/")
+        tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
+        try:
+            self._write(tmp, max_shard_bytes)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if os.path.exists(path):
+            old = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+
+    def _write(self, tmp, max_shard_bytes):
         state = {hf_name(n): t.detach().to("cpu").contiguous() for n, t in self.state_dict().items()}
         if self.cfg.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -451,14 +467,6 @@ class GLM(nn.Module):
         config["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        if os.path.exists(path):
-            old = path.rstrip("/") + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
 
 
 def hf_name(name: str) -> str:

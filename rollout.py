@@ -77,7 +77,8 @@ def sample_tokens(logits, sampling: SamplingParams, generator=None):
 class TorchEngine:
     """Batched generation on our own model: left-padded prefill into a KV cache, then one token per
     step for every unfinished row (finished rows are dropped from the cache). A lock is held around
-    each forward, so update_weights from another thread lands between two decode steps."""
+    each forward, so update_weights from another thread lands between two decode steps.
+    The engine owns its model: it is put in eval mode and frozen, so never hand it the learner's."""
 
     def __init__(self, model: GLM, max_batch: int = 64, partial_rollout: bool = True):
         self.model = model.eval().requires_grad_(False)
@@ -194,7 +195,10 @@ class RolloutBatch:
 
 
 class Generator:
-    """Runs the generation loop in a background thread and hands RolloutBatches to the learner."""
+    """Runs the generation loop in a background thread and hands RolloutBatches to the learner.
+    The staleness gate compares batch numbers with engine.version, so before start() the engine must
+    hold the learner's weights and version (engine.update_weights(weights, version)); first_index is
+    that version on resume. Do not evaluate on the engine while stop() runs: it aborts in-flight work."""
 
     def __init__(self, engine, stream, tokenizer, *, prompts_per_step: int, n: int, sampling: SamplingParams,
                  max_staleness: int, dynamic_sampling: bool, chat_template: bool, max_prompt_tokens: int,
