@@ -420,7 +420,7 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log):
             row["train/indexer_kl"] = kl_sum
         log.write(stage, step, row)
         bar.update(1)
-        bar.set_postfix(loss=f"{kl_sum if indexer_only else nll_sum:.3f}")
+        bar.set_postfix(loss=f"{kl_sum if indexer_only else nll_sum:.3g}")  # the indexer KL can be ~1e-4
         if step % cfg.train.save_every == 0 or step == steps:
             save_checkpoint(cfg, model, tokenizer, stage, step, optimizer, stream.state_dict())
     bar.close()
