@@ -5,6 +5,15 @@ The entry point: config, devices, the three training stages, checkpoints, eval, 
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
     python train.py rollout.temperature=0.8 run_dir=runs/t08     # any key.sub=value overrides the YAML
     python train.py --resume run_dir=runs/t08            # continue from the run's latest checkpoint
+    python train.py --config configs/glm9b_math.yaml --dry-run   # parameter count + per-GPU memory plan
+    torchrun --nnodes 2 --nproc-per-node 4 ... train.py --config configs/glm9b_math.yaml   # several machines
+
+Processes (DESIGN.md, "The process layout"): one process per generator/learner GPU pair. Process r of
+G on a machine with 2G GPUs generates on cuda:r and learns on cuda:r+G. `python train.py` starts the
+G = train.pairs processes itself (through torchrun's launcher); under torchrun, --nproc-per-node
+decides. Every process generates and trains on its own prompt groups; the learners form one
+data-parallel group (FSDP2 or DDP), whose gradient is exactly that of one process on the whole batch.
+Rank 0 logs and checkpoints; evaluation is split over all ranks.
 
 One run goes through up to three stages, each skipped when its step count is 0:
   1. dsa_warmup  only the DSA indexer trains, to imitate the (dense) attention of a frozen model;
@@ -19,12 +28,12 @@ A run directory holds config.yaml (the resolved config), metrics.jsonl (one JSON
 init_model/ (a fresh model's starting weights) and checkpoints/step_XXXXXX/ (a Hugging Face model
 directory plus state.pt: stage, step, optimizer, data position, RNGs), numbered by steps across stages.
 
-Simplified on purpose: one learner and one generator in one process (no FSDP, no multi-node yet);
-one optimizer step per batch (no PPO epochs), constant learning rates after an optional linear
+Simplified on purpose: one optimizer step per batch (no PPO epochs), constant learning rates after an optional linear
 warm-up, and the learner keeps fp32 master weights (bf16 autocast on GPU) because bf16 weights would
 round an lr-1e-6 update away.
 """
 import argparse
+import datetime
 import difflib
 import itertools
 import json
@@ -34,13 +43,21 @@ import shutil
 import sys
 import time
 import typing
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 from transformers import AutoTokenizer
+
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import grpo
@@ -49,6 +66,7 @@ from rollout import Generator, SamplingParams, TorchEngine, evaluate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_cpu.yaml")
 STAGES = ("dsa_warmup", "sft", "rl")
+H100_BYTES = 80 * 10**9  # what --dry-run plans for (an H100 SXM has 80 GB = 79.6 GiB)
 LOGIT_CHUNK = 1024  # response tokens per lm_head call: a [1024, 151552] fp32 block is 620 MB
 
 # ----------------------------------------------------------------------------- config
@@ -87,6 +105,8 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     partial_rollout: bool = True
     max_batch: int = 64
+    engine: str = "torch"  # "torch" (ours, runs DSA) or "sglang" (optional extra, dense checkpoints, GPU)
+    sglang_mem_fraction: float = 0.8  # engine: sglang: share of the generator GPU for weights + KV cache
 
 
 @dataclass
@@ -132,8 +152,10 @@ class TrainConfig:
     eval_max_new_tokens: int = 16384
     save_every: int = 50
     keep_checkpoints: int = 2
-    learner_device: str | None = None  # None: cuda:0 if there is a GPU, else cpu
-    generator_device: str | None = None  # None: cuda:1 (cuda:0 with one GPU), else cpu
+    pairs: int = 1  # generator/learner GPU pairs = processes that `python train.py` starts on this machine
+    parallel: str = "fsdp"  # how the learners of all processes share the work: "fsdp" (sharded) or "ddp"
+    learner_device: str | None = None  # None: the pair layout (cuda:r+G), cpu without GPUs
+    generator_device: str | None = None  # None: the pair layout (cuda:r), cpu without GPUs
 
 
 @dataclass
@@ -247,12 +269,16 @@ def check_config(cfg: Config, where):
     need(min(r.prompts_per_step, r.n, r.max_new_tokens, r.max_prompt_tokens, r.max_batch) >= 1,
          "rollout.prompts_per_step, n, max_new_tokens, max_prompt_tokens and max_batch must be >= 1")
     need(r.max_staleness >= 0, "rollout.max_staleness must be >= 0")
+    need(r.engine in ("torch", "sglang"), f"rollout.engine must be torch or sglang, got {r.engine!r}")
+    need(0 < r.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction must be in (0, 1)")
     need(g.agg in grpo.AGG_MODES, f"grpo.agg must be one of {grpo.AGG_MODES}, got {g.agg!r}")
     need(g.kl_estimator in grpo.KL_ESTIMATORS, f"grpo.kl_estimator must be one of {grpo.KL_ESTIMATORS}")
     need(g.old_logp in ("recompute", "generator"), f"grpo.old_logp must be recompute or generator, got {g.old_logp!r}")
     need(len(o.betas) == 2 and all(isinstance(b, (int, float)) for b in o.betas), "optim.betas must be [beta1, beta2]")
     need(o.max_tokens_per_micro_batch >= 1, "optim.max_tokens_per_micro_batch must be >= 1")
     need(min(t.dsa_warmup_steps, t.sft_steps, t.rl_steps, t.eval_every) >= 0, "train step counts must be >= 0")
+    need(t.pairs >= 1, "train.pairs must be >= 1")
+    need(t.parallel in ("fsdp", "ddp"), f"train.parallel must be fsdp or ddp, got {t.parallel!r}")
     need(min(t.warmup_batch_size, t.eval_n, t.eval_max_new_tokens, t.save_every, t.keep_checkpoints) >= 1,
          "train.warmup_batch_size, eval_n, eval_max_new_tokens, save_every and keep_checkpoints must be >= 1")
 
@@ -260,18 +286,92 @@ def check_config(cfg: Config, where):
 # ----------------------------------------------------------------------------- setup
 
 
-def pick_device(name, index):
-    if name is not None:
-        return torch.device(name)
+# One process per generator/learner pair. Without torchrun there is no process group and the
+# helpers below are the identity, so the single-process path is the same code with world() == 1.
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_gather(obj):
+    """Every rank's (picklable) obj, in rank order. Small things only: metrics, counts, RNG states."""
+    if world() == 1:
+        return [obj]
+    out = [None] * world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def barrier():
+    if world() > 1:
+        dist.barrier()
+
+
+def local_layout():
+    """(this process's index on its machine, processes on this machine), as torchrun set them."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def pair_devices(cfg: Config):
+    """(generator device, learner device): cuda:r and cuda:r+G for process r of G on a machine with
+    2G GPUs; one GPU shared by both in a single process on a one-GPU machine; cpu without GPUs."""
+    r, G = local_layout()
     n = torch.cuda.device_count()
-    return torch.device(f"cuda:{min(index, n - 1)}") if n else torch.device("cpu")
+    explicit = cfg.train.generator_device, cfg.train.learner_device
+    if any(explicit):
+        if G > 1:
+            raise ConfigError("train.generator_device / learner_device name one device: set them to null when "
+                              f"{G} processes share this machine (each takes its GPU pair)")
+        return (torch.device(explicit[0] or ("cuda:0" if n else "cpu")),
+                torch.device(explicit[1] or ("cuda:1" if n > 1 else "cuda:0" if n else "cpu")))
+    if n == 0:
+        return torch.device("cpu"), torch.device("cpu")
+    if n >= 2 * G:
+        return torch.device(f"cuda:{r}"), torch.device(f"cuda:{r + G}")
+    if n == G == 1:
+        return torch.device("cuda:0"), torch.device("cuda:0")
+    raise ConfigError(f"{G} processes on this machine need {2 * G} GPUs (a generator and a learner each), "
+                      f"found {n}: lower train.pairs or --nproc-per-node")
 
 
-def set_threads(cfg: Config, rl: bool):
-    """The learner (main thread) and the generator thread share the machine when both run on the CPU:
-    give each half the cores during RL, so their op thread pools do not fight over the same cores."""
+def init_processes(learner_device):
+    """Join the process group torchrun describes in the environment (nothing to do in one process).
+    NCCL carries the learners' collectives on GPUs, gloo on CPU."""
+    if "RANK" not in os.environ or dist.is_initialized():
+        return
+    if learner_device.type == "cuda":
+        torch.cuda.set_device(learner_device)
+        dist.init_process_group("nccl", device_id=learner_device, timeout=datetime.timedelta(minutes=60))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=60))
+
+
+def launch(cfg: Config, argv):
+    """`python train.py` with train.pairs > 1: start the pairs through torchrun's own launcher (one
+    machine, a free port), each running this file with the same arguments."""
+    from torch.distributed.run import get_args_parser, run
+    print(f"[train] starting {cfg.train.pairs} processes (one per generator/learner pair)", flush=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    both_cpu = pick_device(cfg.train.learner_device, 0).type == pick_device(cfg.train.generator_device, 1).type == "cpu"
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // cfg.train.pairs)))  # set_threads refines it
+    try:
+        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={cfg.train.pairs}",
+                                          os.path.abspath(__file__), *argv]))
+    except Exception as e:  # the failing process printed its own error above
+        raise SystemExit(f"error: a training process failed ({type(e).__name__}); see its message above") from None
+
+
+def set_threads(cfg: Config, devices, rl: bool):
+    """Processes on one machine split its cores; within a process, the learner (main thread) and the
+    generator thread get half each during RL when both run on the CPU, so their op thread pools do not
+    fight over the same cores."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = max(1, cores // local_layout()[1])
+    both_cpu = devices[0].type == devices[1].type == "cpu"
     torch.set_num_threads(max(1, cores // 2) if rl and both_cpu else cores)
 
 
@@ -314,6 +414,73 @@ def autocast(device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+# ----------------------------------------------------------------------------- learner parallelism
+# The learners of all processes train one model on one global batch. Each rank runs its own samples;
+# every loss is a partial sum over the *global* denominator, so the gradients of all ranks add up to
+# the one-process gradient of the whole batch. DDP and FSDP2 both average over ranks when they reduce,
+# so the loss is multiplied by world() to turn their mean back into that sum.
+
+
+def parallel_learner(cfg: Config, model, device):
+    """The module the learner steps. Across processes: FSDP2 shards the fp32 weights, gradients and
+    AdamW state over the ranks (each decoder layer is gathered just before use, in bf16 on GPU, and
+    reduced in fp32), or DDP keeps full replicas and all-reduces gradients. Called at the start of each
+    stage once it has chosen which parameters train: DDP fixes that set when built, FSDP2 follows
+    requires_grad by itself, so it shards once."""
+    if world() == 1:
+        return model
+    if cfg.train.parallel == "ddp":
+        return DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    if not isinstance(model, FSDPModule):
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
+              else MixedPrecisionPolicy())
+        mesh = init_device_mesh(device.type, (world(),))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm and lm_head
+    return model
+
+
+def unwrap(model) -> GLM:
+    return model.module if isinstance(model, DDP) else model
+
+
+def even_micro_batches(micro):
+    """Every rank must run as many forward (and backward) passes as the others: FSDP gathers each layer
+    in every one, DDP reduces in the last. Ranks with fewer micro-batches get empty ones (None), run
+    as one dummy token at zero weight."""
+    n = max(all_gather(len(micro)))
+    return micro + [None] * (n - len(micro))
+
+
+def dummy_rows(model):
+    pad = unwrap(model).cfg.pad_token_id or 0
+    return [([pad, pad], 1)]  # one prompt token, one "response" token
+
+
+def grad_sync(model, last):
+    """DDP all-reduces in the last micro-batch's backward only. (FSDP2 reduce-scatters in every one and
+    accumulates sharded gradients: skipping that would keep full-size gradients on every GPU.)"""
+    return model.no_sync() if isinstance(model, DDP) and not last else nullcontext()
+
+
+def clip_grad_norm(params, max_norm):
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+
+
+def full_weights(model, dtype=None):
+    """(name, full tensor) of every parameter, for publishing to the generator. Under FSDP each tensor
+    is gathered from its shards when the consumer asks for it (cast to the generator's dtype first, so
+    bf16 travels), so beyond the training state only one full tensor exists at a time. Every rank
+    must consume the whole sequence: each gather is a collective."""
+    for name, p in unwrap(model).named_parameters():
+        p = p.detach()
+        if hasattr(p, "full_tensor"):
+            p = (p.to(dtype) if dtype is not None else p).full_tensor()
+        yield name, p
+
+
 # ----------------------------------------------------------------------------- the learner's forward
 
 
@@ -327,7 +494,8 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     rows: [(token ids, prompt length)]. Position ids restart at 0 for every sequence, which is how
     model.py knows where one ends: no token attends across sequences.
     Returns ([R_i] logprobs of each response's tokens, [R_i] entropies, indexer KL or None)."""
-    device = model.lm_head.weight.device
+    net = unwrap(model)  # model may be DDP/FSDP-wrapped: call it, but reach its lm_head directly
+    device = net.embed_tokens.weight.device
     ids = torch.tensor([t for seq, _ in rows for t in seq], device=device)[None]  # [1, L]
     pos = torch.cat([torch.arange(len(seq)) for seq, _ in rows]).to(device)[None]  # [1, L]
     out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True)
@@ -344,7 +512,7 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     h, targets = hidden[0, where], ids[0, where + 1]  # [N, hidden], [N]
     logp, ent = [], []
     for c in range(0, len(where), LOGIT_CHUNK):
-        args = (model.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature)
+        args = (net.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature)
         if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of keeping them
             lp, en = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -374,11 +542,12 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log):
     """dsa_warmup: the rest of the model frozen, the indexer minimises KL(attention || indexer) with
     dense attention. sft: next-token loss on the reference answers; with DSA, attention is top-k and
     the indexer keeps learning from the KL over its selected keys (inputs detached: the two losses
-    train disjoint parameters)."""
+    train disjoint parameters). Every rank draws the same global batch and trains its share of it."""
     steps = cfg.train.dsa_warmup_steps if stage == "dsa_warmup" else cfg.train.sft_steps
     indexer_only = stage == "dsa_warmup"
     for name, p in model.named_parameters():
         p.requires_grad_(not indexer_only or ".indexer." in name)
+    learner = parallel_learner(cfg, model, model.lm_head.weight.device)  # FSDP swaps in sharded parameters
     params = [p for p in model.parameters() if p.requires_grad]
     lr = cfg.optim.dsa_warmup_lr if indexer_only else cfg.optim.sft_lr
     wd = cfg.optim.weight_decay if indexer_only else cfg.optim.sft_weight_decay
@@ -387,32 +556,38 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log):
     step = 0
     if resume is not None and resume["stage"] == stage:
         step = resume["step"]
-        optimizer.load_state_dict(resume["optimizer"])
-        stream.load_state_dict(resume["stream"])
+        set_optimizer_state_dict(learner, optimizer, resume["optimizer"], options=StateDictOptions(full_state_dict=True))
+        stream.load_state_dict(resume["ranks"][rank()]["stream"])
     indexer_loss = "dense" if indexer_only else ("sparse" if model.cfg.dsa else None)
     device = model.lm_head.weight.device
-    bar = tqdm(total=steps, initial=step, desc=stage, dynamic_ncols=True)
+    bar = tqdm(total=steps, initial=step, desc=stage, dynamic_ncols=True, disable=rank() != 0)
     while step < steps:
         t0 = time.perf_counter()
         rows = [example_tokens(tokenizer, ex, cfg.rollout.chat_template) for ex in stream.next(cfg.train.warmup_batch_size)]
         n_answer = sum(len(s) - p for s, p in rows)  # the LM loss is a mean over answer tokens
         n_all = sum(len(s) for s, _ in rows)  # the indexer KL is a mean over all query tokens
+        mine = data.split_across_ranks([len(s) for s, _ in rows], world())[rank()]  # this rank's share
+        micro = even_micro_batches([[mine[j] for j in mb] for mb in
+                                    data.pack_by_tokens([len(rows[i][0]) for i in mine], cfg.optim.max_tokens_per_micro_batch)])
         optimizer.zero_grad(set_to_none=True)
         nll_sum = kl_sum = 0.0
-        for mb in data.pack_by_tokens([len(s) for s, _ in rows], cfg.optim.max_tokens_per_micro_batch):
-            part = [rows[i] for i in mb]
-            with autocast(device):
-                logp, _, kl = packed_forward(model, part, 1.0, indexer_loss, logprobs=not indexer_only)
-            nll = -torch.cat(logp).sum() / n_answer if logp is not None else torch.zeros((), device=device)
-            kl = kl * sum(len(s) for s, _ in part) / n_all if kl is not None else torch.zeros((), device=device)
-            (nll + kl).backward()  # micro-batch parts of the step's means: gradients add up to the full batch's
-            nll_sum, kl_sum = nll_sum + float(nll.detach()), kl_sum + float(kl.detach())
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+        for k, mb in enumerate(micro):
+            part = [rows[i] for i in mb] if mb is not None else dummy_rows(model)
+            weight = world() if mb is not None else 0.0  # world(): undo the reduction's mean over ranks
+            with grad_sync(learner, k == len(micro) - 1), autocast(device):
+                logp, _, kl = packed_forward(learner, part, 1.0, indexer_loss, logprobs=not indexer_only)
+                nll = -torch.cat(logp).sum() / n_answer if logp is not None else torch.zeros((), device=device)
+                kl = kl * sum(len(s) for s, _ in part) / n_all if kl is not None else torch.zeros((), device=device)
+                ((nll + kl) * weight).backward()  # parts of the global means: gradients add up to the batch's
+            if mb is not None:
+                nll_sum, kl_sum = nll_sum + float(nll.detach()), kl_sum + float(kl.detach())
+        nll_sum, kl_sum = map(sum, zip(*all_gather((nll_sum, kl_sum))))
+        grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, lr, step)
         optimizer.step()
         step += 1
-        row = {"train/grad_norm": float(grad_norm), "train/lr": lr_at(cfg, lr, step - 1), "perf/step_s": time.perf_counter() - t0,
+        row = {"train/grad_norm": grad_norm, "train/lr": lr_at(cfg, lr, step - 1), "perf/step_s": time.perf_counter() - t0,
                "perf/tokens_per_s": n_all / (time.perf_counter() - t0)}
         if not indexer_only:
             row["train/loss"] = nll_sum
@@ -422,7 +597,7 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log):
         bar.update(1)
         bar.set_postfix(loss=f"{kl_sum if indexer_only else nll_sum:.3g}")  # the indexer KL can be ~1e-4
         if step % cfg.train.save_every == 0 or step == steps:
-            save_checkpoint(cfg, model, tokenizer, stage, step, optimizer, stream.state_dict())
+            save_checkpoint(cfg, learner, tokenizer, stage, step, optimizer, stream.state_dict())
     bar.close()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -431,20 +606,17 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log):
 # ----------------------------------------------------------------------------- stage 3: RL
 
 
-def named_weights(model):
-    return [(name, p.detach()) for name, p in model.named_parameters()]
-
-
 def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
-    """One GRPO update on one rollout batch; returns the step's metrics."""
-    g, device = cfg.grpo, model.lm_head.weight.device
+    """One GRPO update on this rank's rollout batch (all ranks step together); returns the step's
+    metrics. Loss sums and token means are global; sample counts are this rank's."""
+    g, device = cfg.grpo, unwrap(model).lm_head.weight.device
     fresh = grpo.fresh_mask([s.versions[0] for s in batch.samples], version, cfg.rollout.max_staleness)
     samples = [s for s, keep in zip(batch.samples, fresh.tolist()) if keep]
     stale = [version - s.versions[0] for s in samples]
     metrics = {"staleness/max": max(stale, default=0), "staleness/mean": sum(stale) / max(1, len(stale)),
                "staleness/dropped": len(batch.samples) - len(samples), "train/samples": len(samples)}
-    if not samples:
-        return metrics
+    if sum(all_gather(len(samples))) == 0:
+        return metrics  # nothing fresh anywhere: no step
 
     # Advantages within each group. Groups are contiguous; a group may have lost stale members.
     adv = torch.zeros(len(samples))
@@ -453,48 +625,62 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
         adv[idx] = grpo.group_advantages([samples[i].reward for i in idx], len(idx), g.std_normalize)
 
     rows = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in samples]
-    micro = data.pack_by_tokens([len(seq) for seq, _ in rows], cfg.optim.max_tokens_per_micro_batch)
+    micro = even_micro_batches(data.pack_by_tokens([len(seq) for seq, _ in rows], cfg.optim.max_tokens_per_micro_batch))
     gen_logp = [torch.tensor(s.gen_logprobs, device=device) for s in samples]
     old_logp, ref_logp = list(gen_logp), None
+
+    def logprobs_of(net, mb):  # no-grad logprobs of micro-batch mb (a dummy forward for None)
+        out = packed_forward(net, [rows[i] for i in mb] if mb is not None else dummy_rows(net), cfg.rollout.temperature)[0]
+        return zip(mb or [], out)
+
     with torch.no_grad(), autocast(device):  # pi_old (the trust region's centre) and pi_ref, before any update
         if g.old_logp == "recompute":
             for mb in micro:
-                for i, lp in zip(mb, packed_forward(model, [rows[i] for i in mb], cfg.rollout.temperature)[0]):
+                for i, lp in logprobs_of(model, mb):
                     old_logp[i] = lp
         if ref_model is not None:
             ref_logp = [None] * len(samples)
             for mb in micro:
-                for i, lp in zip(mb, packed_forward(ref_model, [rows[i] for i in mb], cfg.rollout.temperature)[0]):
+                for i, lp in logprobs_of(ref_model, mb):
                     ref_logp[i] = lp
-    if g.old_logp == "recompute":  # how far the generator's policy was from the learner's: staleness + numerics
+    if g.old_logp == "recompute" and samples:  # how far the generator's policy was from the learner's
         diff = torch.cat([(o - gl).abs() for o, gl in zip(old_logp, gen_logp)])
         metrics |= {"train/logp_diff_max": float(diff.max()), "train/logp_diff_mean": float(diff.mean())}
 
-    # Micro-batch losses are partial sums over one global denominator, so gradients add up to the
-    # gradient of the whole batch's loss.
-    masks = [pad([torch.ones(len(rows[i][0]) - rows[i][1], dtype=torch.bool) for i in mb]).to(device) for mb in micro]
-    loss_scale = sum(grpo.loss_denominator(m, g.agg) for m in masks)
+    # Micro-batch losses are partial sums over one global denominator (all ranks' micro-batches), so
+    # gradients add up to the gradient of the whole batch's loss.
+    masks = [pad([torch.ones(len(rows[i][0]) - rows[i][1], dtype=torch.bool) for i in mb]).to(device)
+             if mb is not None else None for mb in micro]
+    loss_scale = sum(all_gather(sum(float(grpo.loss_denominator(m, g.agg)) for m in masks if m is not None)))
     optimizer.zero_grad(set_to_none=True)
     sums, n_tokens = {}, 0
-    for mb, mask in zip(micro, masks):
-        with autocast(device):
+    for k, (mb, mask) in enumerate(zip(micro, masks)):
+        with grad_sync(model, k == len(micro) - 1), autocast(device):
+            if mb is None:  # keeps this rank in step with the others; contributes nothing
+                logp, ent, _ = packed_forward(model, dummy_rows(model), cfg.rollout.temperature)
+                (logp[0].sum() * 0.0).backward()
+                continue
             logp, ent, _ = packed_forward(model, [rows[i] for i in mb], cfg.rollout.temperature)
-        loss, m = grpo.policy_loss(
-            pad(logp), pad(old_logp[i] for i in mb), adv[mb].to(device), mask, eps_low=g.eps_low, eps_high=g.eps_high,
-            agg=g.agg, dual_clip=g.dual_clip, gen_logp=pad(gen_logp[i] for i in mb), tis_cap=g.tis_cap,
-            icepop_beta=g.icepop_beta, ref_logp=None if ref_logp is None else pad(ref_logp[i] for i in mb),
-            kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, entropy=pad(ent), entropy_coef=g.entropy_coef,
-            loss_scale=loss_scale)
-        loss.backward()
-        k = int(mask.sum())  # pg_loss adds up over micro-batches; the other metrics are token means
+            loss, m = grpo.policy_loss(
+                pad(logp), pad(old_logp[i] for i in mb), adv[mb].to(device), mask, eps_low=g.eps_low,
+                eps_high=g.eps_high, agg=g.agg, dual_clip=g.dual_clip, gen_logp=pad(gen_logp[i] for i in mb),
+                tis_cap=g.tis_cap, icepop_beta=g.icepop_beta, ref_logp=None if ref_logp is None else pad(ref_logp[i] for i in mb),
+                kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, entropy=pad(ent), entropy_coef=g.entropy_coef,
+                loss_scale=loss_scale)
+            (loss * world()).backward()  # world(): undo the mean over ranks of the gradient reduction
+        n = int(mask.sum())  # pg_loss adds up over micro-batches; the other metrics are token means
         for name, v in m.items():
-            sums[name] = sums.get(name, 0.0) + (v if name == "pg_loss" else v * k)
+            sums[name] = sums.get(name, 0.0) + (v if name == "pg_loss" else v * n)
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-        n_tokens += k
-    metrics |= {f"train/{k}": v if k in ("pg_loss", "loss") else v / max(1, n_tokens) for k, v in sums.items()}
+        n_tokens += n
+    parts = all_gather((sums, n_tokens))  # global sums: the KL guard below must see the same KL on every rank
+    n_tokens = sum(n for _, n in parts)
+    for name in dict.fromkeys(k for p, _ in parts for k in p):
+        v = sum(p.get(name, 0.0) for p, _ in parts)
+        metrics[f"train/{name}"] = v if name in ("pg_loss", "loss") else v / max(1, n_tokens)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    metrics["train/grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip))
+    metrics["train/grad_norm"] = clip_grad_norm(params, cfg.optim.grad_clip)
     scale = guard.update(metrics["train/kl"]) if ref_model is not None else 1.0  # KL guard: brake the lr
     lr = lr_at(cfg, cfg.optim.lr, version) * scale
     for group in optimizer.param_groups:
@@ -507,39 +693,75 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
 
 
 def run_eval(cfg: Config, engine, tokenizer, examples, stop_ids):
+    """Each rank evaluates every world()-th example on its own engine. Accuracy and pass@k are means
+    over prompts, so the prompt-weighted mean of the ranks' numbers is that of the whole set."""
     sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.train.eval_max_new_tokens, stop_ids)
-    m = evaluate(engine, examples, tokenizer, n=cfg.train.eval_n, sampling=sampling, seed=cfg.seed,
-                 chat_template=cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens)
-    return {f"eval/{k}": v for k, v in m.items()}
+    mine = examples[rank()::world()]
+    m = evaluate(engine, mine, tokenizer, n=cfg.train.eval_n, sampling=sampling, seed=cfg.seed,
+                 chat_template=cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens) if mine else {}
+    parts = [(n, pm) for n, pm in all_gather((len(mine), m)) if n]
+    total = sum(n for n, _ in parts)
+    return {f"eval/{k}": sum(n * pm[k] for n, pm in parts) / total for k in parts[0][1]}
+
+
+# Rank metrics become one row: counts and throughputs add up, maxima take the max, the rest (means
+# of equal-sized shares, or values already global) is averaged over the ranks that have the key.
+SUMMED = {"train/samples", "train/tokens", "staleness/dropped", "rollout/groups_dropped", "rollout/prompts_skipped",
+          "rollout/gen_tokens_per_s", "perf/tokens_per_s"}
+MAXED = {"staleness/max", "train/logp_diff_max", "perf/step_s", "perf/publish_s"}
+
+
+def combine_ranks(parts):
+    out = {}
+    for k in dict.fromkeys(k for p in parts for k in p):
+        vals = [p[k] for p in parts if k in p]
+        out[k] = sum(vals) if k in SUMMED else max(vals) if k in MAXED else sum(vals) / len(vals)
+    return out
+
+
+def make_engine(cfg: Config, model_dir, device):
+    """The generator's engine on this process's generator device, holding a copy of model_dir."""
+    if cfg.rollout.engine == "sglang":
+        from rollout import SGLangEngine
+        return SGLangEngine(model_dir, device, partial_rollout=cfg.rollout.partial_rollout, max_batch=cfg.rollout.max_batch,
+                            mem_fraction_static=cfg.rollout.sglang_mem_fraction, seed=cfg.seed + 7919 * rank())
+    model = GLM.from_pretrained(model_dir, dsa=cfg.model.dsa, device=device)
+    return TorchEngine(model, max_batch=cfg.rollout.max_batch, partial_rollout=cfg.rollout.partial_rollout)
 
 
 def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, eval_examples, resume, log):
+    """Each rank generates prompts_per_step / world() groups from its own slice of the prompts, and all
+    ranks' learners take one optimizer step together on the union: the global batch."""
     r, t = cfg.rollout, cfg.train
+    if r.prompts_per_step % world():
+        raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must divide evenly over {world()} processes")
     stop_ids = tuple(sorted(set(model.cfg.eos_token_id) | {tokenizer.eos_token_id}))
     sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, stop_ids)
     for name, p in model.named_parameters():
         p.requires_grad_(".indexer." not in name)  # GLM-5 keeps the indexer frozen during RL
+    learner = parallel_learner(cfg, model, model.lm_head.weight.device)  # FSDP swaps in sharded parameters
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     guard = grpo.KLGuard(cfg.grpo.kl_guard_threshold, cfg.grpo.kl_guard_factor, cfg.grpo.kl_guard_window, cfg.grpo.kl_guard)
-    stream = data.PromptStream(train_examples, seed=cfg.seed)
+    stream = data.PromptStream(train_examples[rank()::world()], seed=cfg.seed)  # groups never cross processes
     version = 0  # optimizer steps done in RL = the weight version the learner holds
     if resume is not None and resume["stage"] == "rl":
         version = resume["step"]
-        optimizer.load_state_dict(resume["optimizer"])
-        stream.load_state_dict(resume["stream"])
+        set_optimizer_state_dict(learner, optimizer, resume["optimizer"], options=StateDictOptions(full_state_dict=True))
+        stream.load_state_dict(resume["ranks"][rank()]["stream"])
         guard.load_state_dict(resume["kl_guard"])
-    engine.update_weights(named_weights(model), version)  # the generator starts from the learner's weights
-    gen = Generator(engine, stream, tokenizer, prompts_per_step=r.prompts_per_step, n=r.n, sampling=sampling,
+    gen_dtype = getattr(engine, "dtype", None)
+    engine.update_weights(full_weights(learner, gen_dtype), version)  # the generator starts from the learner's weights
+    gen = Generator(engine, stream, tokenizer, prompts_per_step=r.prompts_per_step // world(), n=r.n, sampling=sampling,
                     max_staleness=r.max_staleness, dynamic_sampling=r.dynamic_sampling,
-                    chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, seed=cfg.seed,
+                    chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, seed=cfg.seed + 7919 * rank(),
                     first_index=version)
     accuracy = float("nan")
     if version == 0:
         ev = run_eval(cfg, engine, tokenizer, eval_examples, stop_ids)
         accuracy = ev["eval/accuracy"]
         log.write("rl", 0, ev)
-    bar = tqdm(total=t.rl_steps, initial=version, desc="rl", dynamic_ncols=True)
+    bar = tqdm(total=t.rl_steps, initial=version, desc="rl", dynamic_ncols=True, disable=rank() != 0)
     stream_state = stream.state_dict()
     gen.start()
     try:
@@ -549,22 +771,25 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, e
             wait = time.perf_counter() - t0
             assert batch.index == version, f"generator sent batch {batch.index} to learner step {version}"
             stream_state = batch.stream_state
-            m = rl_step(cfg, model, ref_model, optimizer, guard, batch, version)
+            m = rl_step(cfg, learner, ref_model, optimizer, guard, batch, version)
             version += 1
-            gen.publish(named_weights(model), version)
+            t1 = time.perf_counter()
+            gen.publish(full_weights(learner, gen_dtype), version)  # FSDP: gathered tensor by tensor
+            publish = time.perf_counter() - t1
             step_s = time.perf_counter() - t0
-            m |= batch.metrics | {"perf/learner_wait_s": wait, "perf/step_s": step_s,
+            m |= batch.metrics | {"perf/learner_wait_s": wait, "perf/step_s": step_s, "perf/publish_s": publish,
                                   "perf/tokens_per_s": m.get("train/tokens", 0) / step_s,
                                   "perf/generator_idle": gen.idle_fraction()}
+            m = combine_ranks(all_gather(m))
             if version == t.rl_steps or (t.eval_every and version % t.eval_every == 0):
                 m |= run_eval(cfg, engine, tokenizer, eval_examples, stop_ids)
                 accuracy = m["eval/accuracy"]
             log.write("rl", version, m)
             bar.update(1)
-            bar.set_postfix(reward=f"{batch.metrics['rollout/reward']:.2f}", acc=f"{accuracy:.2f}",
+            bar.set_postfix(reward=f"{m['rollout/reward']:.2f}", acc=f"{accuracy:.2f}",
                             tok_s=f"{m['perf/tokens_per_s']:.0f}")
             if version % t.save_every == 0 or version == t.rl_steps:
-                save_checkpoint(cfg, model, tokenizer, "rl", version, optimizer, stream_state, guard)
+                save_checkpoint(cfg, learner, tokenizer, "rl", version, optimizer, stream_state, guard)
     finally:
         gen.stop()  # also on Ctrl-C or an error: the thread must not outlive the loop
         bar.close()
@@ -595,19 +820,50 @@ def save_dir(path, model, tokenizer, state=None):
     os.rename(tmp, path)
 
 
+def rng_state():
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(rng):
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
 def save_checkpoint(cfg: Config, model, tokenizer, stage, step, optimizer, stream_state, guard=None):
     """run_dir/checkpoints/step_XXXXXX/: an HF model directory plus state.pt, everything needed to
-    continue exactly: which stage and step, optimizer, data position, RNGs, KL guard."""
+    continue exactly: which stage and step, optimizer, KL guard, and each rank's data position and RNGs.
+    Every rank takes part (FSDP gathers the full weights and optimizer state onto rank 0, in CPU memory);
+    rank 0 writes. Several machines: run_dir must be storage that all of them read (resume loads it)."""
+    optim = get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0)
+    ranks = all_gather({"stream": stream_state, "rng": rng_state()})
     gs = global_step(cfg, stage, step)
-    state = {"stage": stage, "step": step, "global_step": gs, "optimizer": optimizer.state_dict(),
-             "stream": stream_state, "kl_guard": guard.state_dict() if guard else None, "config": asdict(cfg),
-             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}}
+    state = {"stage": stage, "step": step, "global_step": gs, "optimizer": optim,
+             "kl_guard": guard.state_dict() if guard else None, "config": asdict(cfg), "ranks": ranks}
     root = os.path.join(cfg.run_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
-    save_dir(os.path.join(root, f"step_{gs:06d}"), model, tokenizer, state)
-    for old in checkpoints(cfg.run_dir)[:-cfg.train.keep_checkpoints]:
-        shutil.rmtree(old)
+    save_full(model, tokenizer, os.path.join(root, f"step_{gs:06d}"), state)
+    if rank() == 0:
+        for old in checkpoints(cfg.run_dir)[:-cfg.train.keep_checkpoints]:
+            shutil.rmtree(old)
+
+
+FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, in CPU memory
+
+
+def save_full(model, tokenizer, path, state=None):
+    """Save a (possibly sharded) model as one HF directory. Every rank takes part in the gathers, rank 0
+    writes, and nobody runs ahead of a directory that is still being written."""
+    weights = get_model_state_dict(model, options=FULL_ON_RANK0)  # {name: tensor} on rank 0, {} elsewhere
+    if rank() == 0:
+        with torch.device("meta"):  # a shell around the gathered tensors, to save through save_pretrained
+            net = GLM(unwrap(model).cfg)
+        net.load_state_dict(weights, assign=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_dir(path, net, tokenizer, state)
+    barrier()
 
 
 def checkpoints(run_dir):
@@ -622,6 +878,9 @@ class MetricsLog:
 
     def __init__(self, cfg: Config, resume=None):
         self.cfg, self.path, self.t0 = cfg, os.path.join(cfg.run_dir, "metrics.jsonl"), time.time()
+        self.tb, self.on = None, rank() == 0  # rank 0 writes the (already combined) metrics
+        if not self.on:
+            return
         if resume is not None and os.path.exists(self.path):
             keep = []
             with open(self.path) as f:
@@ -635,7 +894,6 @@ class MetricsLog:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(keep)
             os.replace(self.path + ".tmp", self.path)
-        self.tb = None
         try:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(cfg.run_dir, purge_step=resume["global_step"] + 1 if resume else None)
@@ -643,6 +901,8 @@ class MetricsLog:
             pass
 
     def write(self, stage, step, metrics):
+        if not self.on:
+            return
         gs = global_step(self.cfg, stage, step)
         row = {"stage": stage, "step": step, "global_step": gs, "time/elapsed_s": time.time() - self.t0} | metrics
         with open(self.path, "a") as f:
@@ -656,44 +916,113 @@ class MetricsLog:
 # ----------------------------------------------------------------------------- main
 
 
+# The architecture of the recipe's checkpoint (its published config.json), so that --dry-run can plan
+# memory before the 18 GB download. A downloaded model.path always wins over this table.
+PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696,
+                                "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+                                "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                                "rms_norm_eps": 1e-5, "attention_bias": True, "tie_word_embeddings": False,
+                                "max_position_embeddings": 32768, "pad_token_id": 151329,
+                                "eos_token_id": [151329, 151336, 151338]}}
+
+
+def architecture(cfg: Config) -> GLMConfig:
+    """The policy's GLMConfig without loading any weights."""
+    if cfg.model.init is not None:
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.make_tiny_tokenizer()
+        return GLMConfig(**cfg.model.init, vocab_size=len(tok), dsa=cfg.model.dsa)
+    path = os.path.join(cfg.model.path, "config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            hf = json.load(f)
+    elif os.path.basename(os.path.normpath(cfg.model.path)) in PUBLISHED:
+        hf = PUBLISHED[os.path.basename(os.path.normpath(cfg.model.path))]
+    else:
+        raise ConfigError(f"model.path: {path} not found (download the checkpoint first)")
+    arch = GLMConfig.from_hf(hf)
+    if cfg.model.dsa is not None:
+        arch.dsa = GLMConfig(**{**asdict(arch), "dsa": cfg.model.dsa}).dsa
+    return arch
+
+
+def plan_memory(cfg: Config, processes):
+    """The per-GPU memory plan of this config with `processes` generator/learner pairs in all."""
+    from model import memory_plan  # TEMP until model.py has it
+    r, g, t = cfg.rollout, cfg.grpo, cfg.train
+    return memory_plan(architecture(cfg), learner_gpus=processes, parallel=t.parallel,
+                       micro_batch_tokens=cfg.optim.max_tokens_per_micro_batch,
+                       gradient_checkpointing=cfg.model.gradient_checkpointing,
+                       trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
+                       reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
+                       generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
+                       prompt_len=r.max_prompt_tokens, engine=r.engine, sglang_mem_fraction=r.sglang_mem_fraction)
+
+
+def check_run_dir(cfg: Config, resume):
+    """The checkpoint to resume from (None for a fresh run); refuses to overwrite an existing run."""
+    ckpt = checkpoints(cfg.run_dir)[-1] if resume and checkpoints(cfg.run_dir) else None
+    if resume and ckpt is None:
+        raise ConfigError(f"--resume: no checkpoint in {cfg.run_dir}/checkpoints")
+    if not resume and (checkpoints(cfg.run_dir) or os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl"))):
+        raise ConfigError(f"{cfg.run_dir} already holds a run; pass --resume to continue it, or run_dir=... for a new one")
+    return ckpt
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="YAML recipe (default: configs/tiny_cpu.yaml)")
     parser.add_argument("--resume", action="store_true", help="continue the run in run_dir from its latest checkpoint")
+    parser.add_argument("--dry-run", action="store_true", help="print the parameter count and per-GPU memory plan, then exit")
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override config keys")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     run_dir = cfg.run_dir
+    under_torchrun = "RANK" in os.environ
+    processes = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun else cfg.train.pairs
+    if args.dry_run:
+        plan = plan_memory(cfg, processes)
+        print(f"{args.config}: {plan.params / 1e9:.2f}B parameters; {processes} generator/learner GPU pairs, "
+              f"learners in {cfg.train.parallel}\n{plan.text(H100_BYTES)}")
+        if plan.problems(H100_BYTES):
+            raise ConfigError("does not fit on H100s: " + "; ".join(plan.problems(H100_BYTES)))
+        return
+    ckpt = check_run_dir(cfg, args.resume)  # every process checks before any writes (barrier below)
+    if cfg.train.pairs > 1 and not under_torchrun:
+        return launch(cfg, argv)
 
-    ckpt = checkpoints(run_dir)[-1] if args.resume and checkpoints(run_dir) else None
-    if args.resume and ckpt is None:
-        raise ConfigError(f"--resume: no checkpoint in {run_dir}/checkpoints")
-    if not args.resume and (checkpoints(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
-        raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or run_dir=... for a new one")
-    os.makedirs(run_dir, exist_ok=True)
-    if not args.resume:
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(asdict(cfg), f, sort_keys=False)
-
+    devices = pair_devices(cfg)  # (generator, learner)
+    init_processes(devices[1])
+    if devices[1].type == "cuda":  # fail now, not after loading 18 GB and compiling kernels
+        problems = plan_memory(cfg, world()).problems(torch.cuda.get_device_properties(devices[1]).total_memory)
+        if problems:
+            raise ConfigError("this config does not fit: " + "; ".join(problems) + " (see --dry-run)")
+    barrier()
+    if rank() == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        if not args.resume:
+            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(asdict(cfg), f, sort_keys=False)
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    set_threads(cfg, rl=False)
-    start = starting_point(cfg, run_dir)
+    set_threads(cfg, devices, rl=False)
+    start = starting_point(cfg, run_dir) if rank() == 0 else None  # rank 0 writes a fresh model's init_model/
+    barrier()
+    start = start or starting_point(cfg, run_dir)
     resume = None
-    if ckpt is not None:
-        resume = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)  # our own file: RNG states are not tensors
-        random.setstate(resume["rng"]["python"])
-        np.random.set_state(resume["rng"]["numpy"])
-        torch.set_rng_state(resume["rng"]["torch"])
-        if resume["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(resume["rng"]["cuda"])
-        print(f"[train] resuming {run_dir} from {ckpt} ({resume['stage']} step {resume['step']})")
-    learner_device = pick_device(cfg.train.learner_device, 0)
+    if ckpt is not None:  # our own file (RNG states are not tensors); mmap: processes share one copy in memory
+        resume = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False, mmap=True)
+        if len(resume["ranks"]) != world():
+            raise ConfigError(f"{ckpt} was written by {len(resume['ranks'])} processes; resume it with as many "
+                              f"(this run has {world()})")
+        set_rng_state(resume["ranks"][rank()]["rng"])
+        if rank() == 0:
+            print(f"[train] resuming {run_dir} from {ckpt} ({resume['stage']} step {resume['step']})")
     try:  # data.py, model.py and transformers name the file and what was wrong: show that, not a traceback
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or start)
-        model = GLM.from_pretrained(ckpt or start, dsa=cfg.model.dsa, dtype=torch.float32, device=learner_device)
+        model = GLM.from_pretrained(ckpt or start, dsa=cfg.model.dsa, dtype=torch.float32, device=devices[1])
         train_examples, eval_examples = load_examples(cfg, "train"), load_examples(cfg, "eval")
     except (OSError, ValueError) as e:
         raise ConfigError(str(e)) from e
@@ -710,19 +1039,21 @@ def main(argv=None):
         if STAGES.index(stage) >= done and getattr(cfg.train, f"{stage}_steps") > 0:
             train_warmup(stage, cfg, model, tokenizer, train_examples, resume, log)
     if cfg.train.rl_steps > 0:
-        set_threads(cfg, rl=True)
-        gen_model = GLM.from_pretrained(ckpt or start, dsa=cfg.model.dsa, device=pick_device(cfg.train.generator_device, 1))
-        engine = TorchEngine(gen_model, max_batch=cfg.rollout.max_batch, partial_rollout=cfg.rollout.partial_rollout)
+        set_threads(cfg, devices, rl=True)
+        engine = make_engine(cfg, ckpt or start, devices[0])
         ref_model = None
         if cfg.grpo.kl_coef > 0 or cfg.grpo.kl_guard:  # the reference is the policy RL started from
             ref_dir = os.path.join(run_dir, "reference")
             if not os.path.isdir(ref_dir):
                 if resume is not None and resume["stage"] == "rl" and resume["step"] > 0:
                     raise ConfigError(f"{ref_dir} is missing; the KL reference of this run is lost")
-                save_dir(ref_dir, model, tokenizer)
-            ref_model = GLM.from_pretrained(ref_dir, dtype=torch.float32, device=learner_device).eval().requires_grad_(False)
+                save_full(model, tokenizer, ref_dir)
+            ref_model = GLM.from_pretrained(ref_dir, dtype=torch.float32, device=devices[1]).eval().requires_grad_(False)
+            if cfg.train.parallel == "fsdp":  # sharded like the policy; DDP keeps a replica (nothing to reduce)
+                ref_model = parallel_learner(cfg, ref_model, devices[1])
         train_rl(cfg, model, engine, ref_model, tokenizer, train_examples, eval_examples, resume, log)
-    print(f"[train] done: {run_dir}")
+    if rank() == 0:
+        print(f"[train] done: {run_dir}")
 
 
 if __name__ == "__main__":
@@ -733,3 +1064,6 @@ if __name__ == "__main__":
     except KeyboardInterrupt:
         args = " ".join(a for a in sys.argv[1:] if a != "--resume")
         sys.exit(f"interrupted; continue with: python train.py --resume {args}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

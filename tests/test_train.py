@@ -285,7 +285,7 @@ def test_checkpoints_are_model_directories(async_run):
     assert model.cfg.dsa is not None and model.cfg.dsa.topk == 8
     state = torch.load(os.path.join(ckpts[-1], "state.pt"), weights_only=False)
     assert (state["stage"], state["step"], state["global_step"]) == ("rl", 4, 10)
-    assert state["stream"]["position"] == 4 * 4  # 4 RL batches of 4 prompts consumed
+    assert state["ranks"][0]["stream"]["position"] == 4 * 4  # 4 RL batches of 4 prompts consumed
     assert os.path.isfile(os.path.join(ckpts[-1], "tokenizer.json"))
     assert not [d for d in os.listdir(os.path.join(async_run, "checkpoints")) if d.startswith(".")]
 
@@ -324,8 +324,8 @@ def test_resume_after_kill_continues_exactly(sync_run, tmp_path):
             if key in a:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["stage"], a["step"], key)
     state = torch.load(os.path.join(train.checkpoints(run_dir)[-1], "state.pt"), weights_only=False)
-    assert state["stream"] == torch.load(os.path.join(train.checkpoints(sync_run)[-1], "state.pt"),
-                                         weights_only=False)["stream"]
+    assert state["ranks"][0]["stream"] == torch.load(os.path.join(train.checkpoints(sync_run)[-1], "state.pt"),
+                                                     weights_only=False)["ranks"][0]["stream"]
 
 
 def test_ctrl_c_stops_cleanly(tmp_path):
