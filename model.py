@@ -514,3 +514,183 @@ def init_weights(m: nn.Module):
     elif isinstance(m, nn.LayerNorm):
         nn.init.ones_(m.weight)
         nn.init.zeros_(m.bias)
+
+
+# ----------------------------------------------------------------------------- memory plan
+# What one learner GPU and one generator GPU hold at their peak, from the shapes alone (train.py
+# --dry-run prints it before loading anything). Each item follows what the code allocates: the learner
+# of train.py (FSDP2 or DDP, fp32 master weights, bf16 compute, AdamW, chunked logits, checkpointing)
+# and the engine of rollout.py (this file's KVCache). Transients that never coexist (one chunk's logits,
+# one recomputed block, a reduce-scatter buffer) enter as the largest of them. Sizes in bytes, tables in
+# GiB (2^30): an "80 GB" H100 shows 79.6 GiB in nvidia-smi, so gpu_bytes=80e9 (74.5 GiB) is on the safe side.
+
+GiB = 2**30
+# CUDA context (~0.5 GiB), NCCL buffers and the caching allocator's fragmentation (freed blocks of the
+# wrong size): a "fits" that does not leave this much free would not survive a real run.
+OVERHEAD = 3 * GiB
+
+
+@dataclass
+class MemoryPlan:
+    params: int  # total parameter count
+    learner: list[tuple[str, int]]  # (item, bytes) on one learner GPU
+    generator: list[tuple[str, int]]  # (item, bytes) on one generator GPU
+    settings: dict = field(default_factory=dict)  # memory_plan's arguments, and the KV cache bytes per token
+
+    def learner_bytes(self) -> int:
+        return sum(b for _, b in self.learner)
+
+    def generator_bytes(self) -> int:
+        return sum(b for _, b in self.generator)
+
+    def _gpus(self, gpu_bytes):
+        """(title, items, bytes needed, bytes allowed) per GPU kind; SGLang's weights live in its static pool."""
+        s = self.settings
+        pool = gpu_bytes * s["sglang_mem_fraction"] if s["engine"] == "sglang" else gpu_bytes
+        return [(f"learner GPU ({s['parallel']} over {s['learner_gpus']})", self.learner, self.learner_bytes(), gpu_bytes),
+                (f"generator GPU ({s['engine']} engine)", self.generator, self.generator_bytes(), pool)]
+
+    def text(self, gpu_bytes) -> str:
+        s = self.settings
+        out = [f"memory plan: {self.params / 1e9:.2f}B parameters, GPU {gpu_bytes / 1e9:.1f} GB = {gpu_bytes / GiB:.1f} GiB"]
+        for title, items, need, allowed in self._gpus(gpu_bytes):
+            out += [f"{title:<72} GiB"] + [f"  {item:<70} {b / GiB:6.2f}" for item, b in items]
+            verdict = "fits" if need <= allowed else "does NOT fit"
+            out.append(f"  {'total':<70} {need / GiB:6.2f}  {verdict} in {allowed / GiB:.1f} GiB")
+        if s["engine"] == "sglang":
+            kv = gpu_bytes * s["sglang_mem_fraction"] - self.generator_bytes()
+            out.append(f"  SGLang's KV pool: the rest of its share, {kv / GiB:.1f} GiB = {max(0, int(kv)) // s['kv_token']} "
+                       f"tokens (batch x max_len = {s['generator_batch'] * s['generator_max_len']}; fewer rows run at once "
+                       f"if short); CUDA graphs and activations use the other {1 - s['sglang_mem_fraction']:.0%}, not modelled")
+        return "\n".join(out)
+
+    def problems(self, gpu_bytes) -> list[str]:
+        s, out = self.settings, []
+        (lt, _, lneed, lgpu), (gt, _, gneed, gpool) = self._gpus(gpu_bytes)
+        if lneed > lgpu:
+            fix = ["train.parallel: fsdp (shards weights, grads and AdamW state)"] if s["parallel"] == "ddp" else []
+            fix += [] if s["gradient_checkpointing"] else ["model.gradient_checkpointing: true"]
+            fix += ["more GPU pairs (train.pairs, or more nodes)", "a smaller optim.max_tokens_per_micro_batch"]
+            fix += ["grpo.kl_coef: 0 and grpo.kl_guard: false (no reference model)"] if s["reference"] else []
+            out.append(f"{lt} needs {lneed / GiB:.1f} GiB of {lgpu / GiB:.1f}: " + "; ".join(fix))
+        if s["engine"] == "torch" and gneed > gpool:
+            out.append(f"{gt} needs {gneed / GiB:.1f} GiB of {gpool / GiB:.1f}: a smaller rollout.max_batch, or shorter "
+                       "rollout.max_new_tokens / train.eval_max_new_tokens (the KV cache holds max_batch x (prompt + "
+                       "new tokens))" + ("" if s["dsa"] else ", or rollout.engine: sglang (paged KV cache)"))
+        if s["engine"] == "sglang" and gneed + s["kv_token"] * s["generator_max_len"] > gpool:
+            out.append(f"{gt}: SGLang's share ({gpool / GiB:.1f} GiB) cannot hold the weights and one sequence's KV "
+                       "cache: a larger rollout.sglang_mem_fraction")
+        if s["engine"] == "sglang" and gpu_bytes - gpool < OVERHEAD:
+            out.append(f"{gt}: SGLang leaves under {OVERHEAD / GiB:.0f} GiB for CUDA graphs and activations: "
+                       "a smaller rollout.sglang_mem_fraction")
+        return out
+
+
+def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad):
+    """Bytes of dsa.py's largest chunked block (c queries at a time, c from CHUNK/GATHER_ELEMENTS):
+    select_topk's scores [B, c, H_I, Tk] fp32 and their ReLU, or sparse_attention's gathered keys and
+    values [B, Hkv, c, K, D] bf16 (GPU chunk size) and probabilities [B, Hkv, c, G, K] fp32 x2. With grad,
+    a chunk is recomputed in backward and its gradients join it."""
+    K, per_q = min(cfg.dsa.topk, Tk), B * cfg.dsa.heads * Tk
+    scores = max(1, dsa.CHUNK_ELEMENTS // per_q) * per_q * 4 * 2
+    per_q = B * K * cfg.num_kv_heads * cfg.head_dim
+    c = max(1, dsa.GATHER_ELEMENTS * 64 // per_q)
+    return max(scores, (2 * 2 * c * per_q + 2 * 4 * c * B * K * cfg.num_heads) * (2 if grad else 1))
+
+
+def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
+                gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
+                generator_batch: int, generator_max_len: int, prompt_len: int, engine: str,
+                sglang_mem_fraction: float | None = None, logit_chunk: int = 1024) -> MemoryPlan:
+    """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
+    micro_batch_tokens) and the generator (engine "torch": generator_batch rows of generator_max_len slots,
+    prefilled with prompt_len tokens each; "sglang": its share of the GPU). logit_chunk: response tokens
+    per lm_head call (train.LOGIT_CHUNK)."""
+    assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
+    assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
+    with torch.device("meta"):
+        named = dict(GLM(cfg).named_parameters())  # exact counts, no memory; a tied lm_head appears once
+
+    def count(keep):
+        return sum(p.numel() for n, p in named.items() if keep(n))
+
+    P = count(lambda n: True)
+    Pt = P - (0 if trainable_indexer else count(lambda n: ".indexer." in n))  # RL keeps the indexer frozen
+    root = count(lambda n: not n.startswith("layers."))  # embed_tokens, norm, lm_head
+    layer = max(count(lambda n: n.startswith(f"layers.{i}.")) for i in range(cfg.num_layers))  # an F layer if DSA
+    L, N, T, h, I = cfg.num_layers, learner_gpus, micro_batch_tokens, cfg.hidden_size, cfg.intermediate_size
+    HD, KD, V, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size, cfg.num_heads
+    n_F = cfg.dsa.layer_kinds(L).count("F") if cfg.dsa else 0
+
+    # Learner activations of one packed row of T tokens. FSDP computes with bf16 weights, so the residual
+    # stream is bf16 (a = 2 bytes); DDP keeps fp32 weights under autocast, so embeddings, norms and the
+    # residual stay fp32 (a = 4) and each matmul casts its input. Matches a CPU measurement within ~20%.
+    a = 2 if parallel == "fsdp" else 4
+    block = T * (4 * (4 + 2 * a) * h  # 4 RMSNorms: fp32 copy of the input, normalised, output [T, h]
+                 + (0 if a == 2 else 4 * 2 * h)  # DDP: bf16 casts of the normed input for q, k, v, gate_up
+                 + 2 * 2 * (HD + KD) + 2 * KD  # q [T, H*D], k [T, Hkv*D] before and after RoPE; v [T, Hkv*D]
+                 + 2 * HD + 4 * H  # attention output [T, H*D] bf16, its log-sum-exp [H, T] fp32
+                 + 2 * (2 * I + I + I)  # gate_up [T, 2I], silu(gate) [T, I], act = silu(gate) * up [T, I]
+                 + a * h) + 3 * T * T  # residual after attention [T, h]; packed-row mask [T, T] bool + bf16 bias
+    block_grads = T * 2 * 4 * I  # backward's gradients of the MLP tensors [T, 4I] bf16
+    sparse = cfg.dsa is not None and cfg.dsa.topk < T
+    if sparse:  # DSA inside the block: select_topk without grad, sparse_attention's chunks with
+        block_grads += _dsa_block(cfg, 1, T, T, grad=True)
+    if gradient_checkpointing:
+        saved = ("block inputs kept by checkpointing [T, h] x layers", L * T * h * a)
+        one_block = ("one block recomputed + grads", block + block_grads)
+    else:
+        saved = ("every block's activations (no checkpointing)", L * block)
+        one_block = ("one block's gradients", block_grads)
+    # lm_head on one chunk: bf16 [c, V], then fp32 logits / temperature, log_softmax, shifted z, softmax
+    # and, in backward, their gradients: 5.5 fp32 [c, V] at the peak (measured on CPU).
+    logits = (f"logits of a chunk fp32 [{min(logit_chunk, T)}, vocab] x5.5", int(5.5 * min(logit_chunk, T) * V * 4))
+
+    if parallel == "fsdp":  # FSDP2: fully_shard per decoder layer + root; bf16 params, fp32 reduce
+        learner = [(f"fp32 master weights (1/{N})", 4 * P // N), (f"fp32 grads, trainable (1/{N})", 4 * Pt // N),
+                   (f"AdamW exp_avg + exp_avg_sq fp32 (1/{N})", 8 * Pt // N)]
+        learner += [(f"reference model fp32 (1/{N})", 4 * P // N)] if reference else []
+        learner += [("bf16 root (embed, norm, lm_head), gathered all step", 2 * root),
+                    ("bf16 decoder layers gathered: current + prefetched", 2 * 2 * layer),
+                    ("bf16 root grads (lm_head's from the first chunk on)", 2 * root)]
+        one_block = (one_block[0] + " (+ layer's bf16/fp32)", one_block[1] + 6 * layer)
+        transients = [logits, one_block, ("root grads' fp32 reduce-scatter copy", 4 * root),
+                      ("publishing: one gathered bf16 tensor", 2 * max(p.numel() for p in named.values()))]
+    else:  # DDP: full replicas; autocast caches the bf16 cast of every weight a matmul uses until it exits
+        learner = [("fp32 weights", 4 * P), ("fp32 grads, trainable", 4 * Pt),
+                   ("DDP gradient buckets fp32 (a second copy of the grads)", 4 * Pt),
+                   ("AdamW exp_avg + exp_avg_sq fp32", 8 * Pt)]
+        learner += [("reference model fp32", 4 * P)] if reference else []
+        learner += [("autocast's bf16 weight copies (held to the forward's end)",
+                     2 * (Pt - (0 if cfg.tie_word_embeddings else V * h)))]  # the embedding table is not cast
+        transients = [logits, one_block]
+    learner += [saved] + ([("DSA top-k idx int64 + valid [T, topk] per F layer", n_F * T * cfg.dsa.topk * 9)]
+                          if sparse else [])
+    name, peak = max(transients, key=lambda t: t[1])
+    learner += [(f"largest transient: {name}", peak), ("CUDA context, NCCL, fragmentation", OVERHEAD)]
+
+    # Generator: our engine holds bf16 weights, a KVCache of B x S slots per layer (keys and values
+    # [B, S, Hkv, D], indexer keys [B, S, d_I] on F layers, key_mask [B, S] bool) and prefills B x Pn at once.
+    B, S, Pn = generator_batch, generator_max_len, prompt_len
+    kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0)) + 1
+    if engine == "sglang":
+        generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P)]
+    else:
+        M = B * Pn  # prefill tokens, no grad, everything bf16 but RMSNorm's internals
+        prefill = M * (2 * h + max(2 * (h + 4 * I),  # residual [M, h] + normed input, gate_up [M, 2I], silu, act
+                                   2 * (h + 2 * (HD + 2 * KD) + HD),  # or q, k, v before and after RoPE, output
+                                   3 * 4 * h)) + 5 * B * Pn * Pn  # or RMSNorm's fp32 temps; masks [B, P, P]
+        decode = int(4.5 * B * V * 4)  # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp
+        if cfg.dsa is not None and cfg.dsa.topk < Pn:
+            prefill += _dsa_block(cfg, B, Pn, Pn, grad=False)
+        if cfg.dsa is not None and cfg.dsa.topk < S:  # a decode step's indexer scores [B, 1, H_I, S]
+            decode += _dsa_block(cfg, B, 1, S, grad=False)
+        name, peak = max([("prefill of batch x prompt tokens", prefill), ("one decode step's logits (and DSA scores)", decode),
+                          # keep() builds the new list of every layer's keys before the old list is freed
+                          ("KVCache.keep: new keys before old are freed", B * S * 2 * L * KD)], key=lambda t: t[1])
+        generator = [("bf16 weights", 2 * P), (f"KV cache bf16, {B} x {S} slots", B * S * kv_token),
+                     (f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
+    settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
+                    reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,
+                    generator_batch=B, generator_max_len=S, kv_token=kv_token)
+    return MemoryPlan(P, learner, generator, settings)

@@ -1,13 +1,15 @@
 """model.py against transformers' Glm4ForCausalLM (the reference), on random tiny configs in float32."""
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import Glm4Config, Glm4ForCausalLM
 
-from model import GLM, GLMConfig, KVCache
+from dsa import DSAConfig
+from model import GLM, GLMConfig, KVCache, memory_plan
 
 # (heads, kv heads, head_dim, rotary fraction, layers): different GQA groupings and rotary fractions.
 CONFIGS = [(4, 2, 16, 0.5, 2), (4, 4, 8, 1.0, 1), (6, 1, 16, 0.25, 3), (8, 2, 12, 0.5, 2)]
@@ -191,3 +193,91 @@ def test_tied_embeddings_roundtrip(tmp_path):
     assert back.lm_head.weight is back.embed_tokens.weight
     ids = torch.randint(0, 31, (1, 5))
     assert torch.equal(m(ids), back(ids))
+
+
+# ----------------------------------------------------------------------------- memory plan
+
+TINY = GLMConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=4, num_kv_heads=2,
+                 head_dim=16, dsa=DSAConfig(topk=8, heads=2, head_dim=8, rope_dim=4, pattern="FS"))
+NINE_B = GLMConfig(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_layers=40, num_heads=32,
+                   num_kv_heads=2, head_dim=128)  # GLM-Z1-9B-0414
+RECIPE = dict(learner_gpus=4, parallel="fsdp", micro_batch_tokens=4608, gradient_checkpointing=True,
+              trainable_indexer=False, reference=False, generator_batch=128, generator_max_len=1024 + 16384,
+              prompt_len=1024, engine="torch")
+H100 = 80e9  # "80 GB" in bytes = 74.5 GiB (nvidia-smi shows 79.6 GiB: this is the cautious side)
+
+
+def tiny_plan(**kw):
+    args = dict(learner_gpus=2, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
+                trainable_indexer=False, reference=False, generator_batch=3, generator_max_len=40, prompt_len=10,
+                engine="torch")
+    return memory_plan(TINY, **(args | kw))
+
+
+def hand_counts(c: GLMConfig):
+    """(total, indexer) parameters written out from the architecture, independently of model.py."""
+    h, I, HD, KD = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = (h * HD + HD) + 2 * (h * KD + KD) + HD * h + h * 2 * I + I * h + 4 * h  # q, k, v (bias), o, mlp, 4 norms
+    d = c.dsa
+    indexer = h * d.heads * d.head_dim + h * d.head_dim + 2 * d.head_dim + h * d.heads if d else 0  # wq, wk, k_norm, w
+    n_F = d.layer_kinds(c.num_layers).count("F") if d else 0
+    return 2 * c.vocab_size * h + h + c.num_layers * layer + n_F * indexer, n_F * indexer
+
+
+def test_memory_plan_counts_parameters_exactly():
+    for cfg in (TINY, replace(TINY, dsa=None), replace(TINY, dsa=None, tie_word_embeddings=True)):
+        plan = memory_plan(cfg, **(RECIPE | {"generator_batch": 2, "generator_max_len": 8, "prompt_len": 4}))
+        assert plan.params == sum(p.numel() for p in GLM(cfg).parameters())
+    assert tiny_plan().params == hand_counts(TINY)[0]
+
+
+def test_memory_plan_items_against_hand_formulas():
+    P, indexer = hand_counts(TINY)
+    Pt = P - indexer  # the indexer is frozen in RL
+    fsdp = dict(tiny_plan().learner)
+    assert fsdp["fp32 master weights (1/2)"] == 4 * P // 2
+    assert fsdp["fp32 grads, trainable (1/2)"] == 4 * Pt // 2
+    assert fsdp["AdamW exp_avg + exp_avg_sq fp32 (1/2)"] == 2 * 4 * Pt // 2
+    assert fsdp["bf16 root (embed, norm, lm_head), gathered all step"] == 2 * (2 * 97 * 48 + 48)
+    assert dict(tiny_plan(reference=True).learner)["reference model fp32 (1/2)"] == 4 * P // 2
+    ddp = dict(tiny_plan(parallel="ddp", trainable_indexer=True).learner)
+    assert ddp["fp32 weights"] == 4 * P and ddp["fp32 grads, trainable"] == 4 * P
+    assert ddp["AdamW exp_avg + exp_avg_sq fp32"] == 8 * P
+    assert ddp["DDP gradient buckets fp32 (a second copy of the grads)"] == 4 * P
+    gen = dict(tiny_plan().generator)
+    assert gen["bf16 weights"] == 2 * P
+    # KV cache: keys + values [3, 40, 2, 16] on 3 layers, indexer keys [3, 40, 8] on the 2 F layers, key mask
+    bf16 = 2
+    kv = bf16 * 2 * 3 * (3 * 40 * 2 * 16) + bf16 * 2 * (3 * 40 * 8) + 3 * 40
+    cache = KVCache(TINY, 3, 40, dtype=torch.bfloat16)  # and what KVCache really allocates
+    real = sum(t.numel() * t.element_size() for t in cache.k + cache.v + [t for t in cache.index_k if t is not None])
+    assert gen["KV cache bf16, 3 x 40 slots"] == kv == real + cache.key_mask.numel()
+    plan = tiny_plan()
+    assert plan.learner_bytes() == sum(fsdp.values()) and plan.generator_bytes() == sum(gen.values())
+
+
+def test_memory_plan_fsdp_shards_scale_with_gpus():
+    shards = [{n.replace(f"(1/{g})", ""): b for n, b in tiny_plan(learner_gpus=g).learner if f"(1/{g})" in n}
+              for g in (1, 2, 4, 8)]
+    assert len(shards[0]) == 3
+    for g, s in zip((1, 2, 4, 8), shards):
+        for name, b in s.items():
+            assert abs(b * g - shards[0][name]) < g, name  # integer division only
+
+
+def test_memory_plan_9b_recipe_on_h100():
+    plan = memory_plan(NINE_B, **RECIPE)
+    assert 9.3e9 < plan.params < 9.5e9
+    assert plan.learner_bytes() < H100 - 20 * 2**30  # FSDP over 4: ~49 GiB, with room to spare
+    assert not any(p.startswith("learner") for p in plan.problems(H100))
+    # Our engine preallocates batch x max_len slots: 128 x 17408 x 40 KiB = 85 GiB of KV cache alone.
+    assert dict(plan.generator)["KV cache bf16, 128 x 17408 slots"] == 128 * 17408 * (40 * 2 * 2 * 128 * 2 + 1)
+    assert any("rollout.max_batch" in p for p in plan.problems(H100))
+    assert memory_plan(NINE_B, **(RECIPE | {"generator_batch": 32})).problems(H100) == []
+    assert "fits" in plan.text(H100) and "does NOT fit" in plan.text(H100)
+    ddp = memory_plan(NINE_B, **(RECIPE | {"parallel": "ddp", "generator_batch": 32}))
+    assert ddp.learner_bytes() > 2 * H100  # full fp32 weights, grads, buckets and AdamW state: ~200 GiB
+    (problem,) = ddp.problems(H100)
+    assert problem.startswith("learner") and "train.parallel" in problem
+    sglang = memory_plan(NINE_B, **(RECIPE | {"engine": "sglang", "sglang_mem_fraction": 0.8}))
+    assert sglang.problems(H100) == [] and "KV pool" in sglang.text(H100)
