@@ -20,10 +20,16 @@ and each sample records the (oldest, newest) versions it spans; the learner's of
 aborted and regenerated from scratch under the new weights.
 
 Engines implement two calls: `generate(prompt_ids, sampling) -> [Completion]` and
-`update_weights(named_tensors, version)`. `TorchEngine` is ours: batched sampling on model.py with
-its KV cache (and DSA decode), the only engine that runs our DSA models.
+`update_weights(named_tensors, version)`, plus `version`, `abort()` and `resume()`. `TorchEngine` is
+ours: batched sampling on model.py with its KV cache (and DSA decode), the only engine that runs our
+DSA models. `SGLangEngine` adapts SGLang's offline engine (optional extra; dense checkpoints, GPU).
 """
+import asyncio
+import itertools
+import json
+import os
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data import eval_metrics, math_reward, render_prompt
-from model import GLM, KVCache
+from model import GLM, KVCache, hf_name
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
@@ -170,6 +176,178 @@ class TorchEngine:
 
     def resume(self):
         self._abort.clear()
+
+
+# ----------------------------------------------------------------------------- the SGLang engine
+
+SGLANG_MISSING = ("rollout.engine: sglang needs SGLang on a GPU machine: pip install -e '.[sglang]' "
+                  "(it is not installed)")
+
+
+class SGLangEngine:
+    """TorchEngine's interface on SGLang's offline `sglang.Engine` (one GPU, tensor parallel 1, bf16),
+    for dense GLM-4 checkpoints. Written against SGLang 0.5.9 (python/sglang/srt/entrypoints/engine.py,
+    managers/tokenizer_manager.py, io_struct.py, layers/sampler.py); pause modes need >= 0.5.6, and the
+    begin/end_weight_update session that newer releases (0.5.23) require is opened when SGLang has it.
+
+    - token_ids: output_ids (ids in and out: skip_tokenizer_init), through the stop token. SGLang also
+      stops at the checkpoint's own eos_token_id(s).
+    - logprobs: meta_info["output_token_logprobs"], which SGLang's sampler computes as log softmax
+      (logits / T) over the full vocabulary, before top-p (greedy: log softmax(logits)), as the learner
+      does; SGLANG_RETURN_ORIGINAL_LOGPROB=1 would drop the T, so it is refused.
+    - seed: one sampling_seed per request, honoured only with enable_deterministic_inference=True.
+    - A weight update pauses generation in mode "retract": running requests go back to SGLang's queue,
+      holding no KV, so the flush that ends the update cannot fail on them. With partial_rollout each
+      one's prompt + tokens so far are prefilled again under the new weights on resume (TorchEngine
+      keeps the old KV); versions are (version at submission, at return). Without, they are aborted.
+
+    Threads: the Engine's sync methods run its asyncio loop until their call is done, so the generator
+    and the learner calling them at once would run one loop twice. Instead a thread of ours runs that
+    loop forever and every call submits coroutines to it (run_coroutine_threadsafe): the tokenizer
+    manager and its zmq sockets are only used from that thread. Never call self.engine's sync methods."""
+
+    def __init__(self, model_path: str, device, *, partial_rollout: bool = True, max_batch: int = 64,
+                 mem_fraction_static: float = 0.8, seed: int = 0, dsa: bool | None = None,
+                 update_chunk_bytes: int = 2**30, **engine_kwargs):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"rollout.engine: sglang runs on a CUDA generator device, got {device} "
+                             "(use engine: torch)")
+        config = os.path.join(model_path, "config.json")
+        if dsa is None and os.path.isfile(config):  # our checkpoints have a "dsa" section when they use it
+            with open(config) as f:
+                dsa = bool(json.load(f).get("dsa"))
+        if dsa:
+            raise ValueError(f"{model_path}: a DSA model, and SGLang has no DSA kernel for our GLM-4 models; "
+                             "engine: torch is the only engine that runs our DSA models")
+        if os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes", "on"):
+            raise ValueError("unset SGLANG_RETURN_ORIGINAL_LOGPROB: SGLang would return logprobs without the "
+                             "temperature, not the log softmax(logits / T) the learner recomputes")
+        try:
+            import sglang
+            from sglang.srt.managers import io_struct
+            from sglang.srt.utils import MultiprocessingSerializer
+        except ImportError:
+            raise ImportError(SGLANG_MISSING) from None
+        self.io, self.serializer = io_struct, MultiprocessingSerializer
+        self.device, self.dtype = device, torch.bfloat16
+        self.partial_rollout, self.chunk_bytes = partial_rollout, update_chunk_bytes
+        self.version = 0
+        self.engine = sglang.Engine(model_path=model_path, skip_tokenizer_init=True, tp_size=1,
+                                    base_gpu_id=device.index or 0, dtype="bfloat16", random_seed=seed,
+                                    mem_fraction_static=mem_fraction_static, max_running_requests=max_batch,
+                                    **engine_kwargs)
+        self.tm, self.loop = self.engine.tokenizer_manager, self.engine.loop
+        self._aborted = threading.Event()
+        self._inflight = 0  # our requests inside SGLang; read and written on the loop thread only
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sglang-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None) -> list[Completion]:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("cannot generate from an empty prompt")
+        rng = random.Random(seed)
+        futures = []
+        for p in prompts:  # all at once: SGLang's scheduler batches them (up to max_batch running)
+            sp = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                  "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids)}
+            if seed is not None:  # one seed per request: the n copies of a prompt must differ
+                sp["sampling_seed"] = rng.getrandbits(31)
+            futures.append(asyncio.run_coroutine_threadsafe(self._generate_one(list(p), sp), self.loop))
+        return [f.result() for f in futures]
+
+    async def _generate_one(self, prompt, sp):
+        start = self.version
+        if self._aborted.is_set():
+            return Completion([], [], "abort", (start, start))
+        self._inflight += 1
+        try:
+            out = await self.engine.async_generate(input_ids=prompt, sampling_params=sp, return_logprob=True)
+        finally:
+            self._inflight -= 1
+        ids, meta = list(out["output_ids"]), out["meta_info"]
+        finish = (meta.get("finish_reason") or {}).get("type")  # "stop" | "length" | "abort"
+        if finish == "length" and ids and ids[-1] in sp["stop_token_ids"]:
+            finish = "stop"  # SGLang checks the length first; TorchEngine calls this a stop
+        finish = finish if finish in ("stop", "length") else "abort"  # abort (or unknown): regenerated
+        entries = (meta.get("output_token_logprobs") or [])[:len(ids)]  # [(logprob, token id, text)]
+        if [e[1] for e in entries] != ids[:len(entries)] or (len(entries) < len(ids) and finish != "abort"):
+            raise RuntimeError(f"SGLang returned {len(ids)} token ids and {len(entries)} logprobs that do not line up")
+        return Completion(ids[:len(entries)], [float(e[0]) for e in entries], finish, (start, self.version))
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors, version: int):
+        """Push (our name, tensor) pairs as HF names with update_weights_from_tensor, about chunk_bytes
+        at a time, consuming the iterable as it goes: a lazy one (FSDP gathering a layer at a time) never
+        has every weight alive at once. Its tensors must stay valid while we hold them (fresh tensors,
+        as DTensor.full_tensor() returns). Each chunk is copied to the generator GPU in bf16 and handed
+        to SGLang by CUDA IPC; the last one flushes SGLang's KV/radix cache."""
+        items = iter(named_tensors)
+        first = next(items, None)
+        if first is None:  # nothing to push: only the version moves
+            self.version = version
+            return
+        self._run(self.tm.pause_generation(self.io.PauseGenerationReqInput(mode="retract")))
+        session = hasattr(self.io, "BeginWeightUpdateReqInput")  # newer SGLang loads weights inside a session
+        try:
+            if not self.partial_rollout:  # unfinished requests return "abort", to be regenerated
+                self._run(self._abort_all())
+            if session:
+                self._check(self._run(self.tm.begin_weight_update(self.io.BeginWeightUpdateReqInput(), None)))
+            chunk, size = [], 0
+            for name, t in itertools.chain([first], items):
+                t = t.detach().to(self.device, self.dtype)
+                if chunk and size + t.nbytes > self.chunk_bytes:
+                    self._push(chunk, flush=False)  # not the last: another tensor follows
+                    chunk, size = [], 0
+                chunk.append((hf_name(name), t))
+                size += t.nbytes
+            self._push(chunk, flush=True)
+            if session:
+                self._check(self._run(self.tm.end_weight_update(self.io.EndWeightUpdateReqInput(), None)))
+            self.version = version  # before resuming: whatever returns from now on ran on the new weights
+        finally:  # resume even after a failure, or paused requests (and the generator thread) would hang
+            self._run(self.tm.continue_generation(self.io.ContinueGenerationReqInput()))
+
+    def _push(self, chunk, flush: bool):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies must be done before SGLang's process reads them
+        req = self.io.UpdateWeightsFromTensorReqInput(serialized_named_tensors=[self.serializer.serialize(chunk)],
+                                                      flush_cache=flush)  # one payload per TP rank
+        self._check(self._run(self.tm.update_weights_from_tensor(req, None)))
+        if self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # free the chunk's memory once SGLang has closed its IPC handles
+
+    @staticmethod
+    def _check(result):
+        success, message = result
+        if not success:
+            raise RuntimeError(f"SGLang weight update failed: {message}")
+
+    def abort(self):
+        """Make in-flight generate calls return now (finish_reason "abort"); clear with resume()."""
+        self._aborted.set()
+        asyncio.run_coroutine_threadsafe(self._abort_in_flight(), self.loop)
+
+    async def _abort_in_flight(self):
+        while self._aborted.is_set() and self._inflight:  # one may reach the scheduler after an abort: repeat
+            await self._abort_all()
+            await asyncio.sleep(0.05)
+
+    async def _abort_all(self):  # a coroutine: the tokenizer manager is used on the loop thread only
+        self.tm.abort_request(abort_all=True)
+
+    def resume(self):
+        self._aborted.clear()
+
+    def shutdown(self):
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+        self.engine.shutdown()
 
 
 # ----------------------------------------------------------------------------- the generator thread

@@ -1,14 +1,21 @@
 """rollout.py: the torch engine against a naive full-forward reference, weight updates mid-batch,
-and the generator thread's staleness gate, dynamic sampling, error surfacing and shutdown."""
+and the generator thread's staleness gate, dynamic sampling, error surfacing and shutdown; the SGLang
+adapter against a fake sglang module."""
+import asyncio
+import dataclasses
+import json
+import pickle
+import sys
 import threading
 import time
+import types
 
 import pytest
 import torch
 
 from data import PromptStream, make_tiny_tokenizer
-from model import GLM, GLMConfig
-from rollout import Generator, SamplingParams, TorchEngine, evaluate, sample_tokens
+from model import GLM, GLMConfig, hf_name
+from rollout import Completion, Generator, SamplingParams, SGLangEngine, TorchEngine, evaluate, sample_tokens
 
 
 def tiny_model(dsa=None, seed=0):
@@ -191,3 +198,227 @@ def test_evaluate_reports_accuracy_and_pass_at_k():
                  max_prompt_tokens=32, reward_fn=lambda text, label: next(calls))
     assert m["accuracy"] == pytest.approx(1 / 8) and m["pass@4"] == pytest.approx(0.5)
     assert m["pass@1"] == pytest.approx(1 / 8)
+
+
+# ----------------------------------------------------------------------------- SGLangEngine on a fake sglang
+
+def model_dir(tmp_path, dsa=None):
+    cfg = {"architectures": ["Glm4ForCausalLM"]} | ({"dsa": dsa} if dsa else {})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_sglang_missing_gives_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang raises ImportError
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[sglang\]' \(it is not installed\)"):
+        SGLangEngine(model_dir(tmp_path), "cuda:0")
+
+
+def test_sglang_refuses_cpu_and_dsa(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)
+    with pytest.raises(ValueError, match="CUDA"):
+        SGLangEngine(model_dir(tmp_path), "cpu")
+    with pytest.raises(ValueError, match="engine: torch is the only engine that runs our DSA models"):
+        SGLangEngine(model_dir(tmp_path, dsa={"topk": 4}), "cuda:0")
+    with pytest.raises(ValueError, match="DSA"):
+        SGLangEngine(model_dir(tmp_path), "cuda:0", dsa=True)
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    with pytest.raises(ValueError, match="SGLANG_RETURN_ORIGINAL_LOGPROB"):
+        SGLangEngine(model_dir(tmp_path), "cuda:0")
+
+
+class FakeTokenizerManager:
+    """The TokenizerManager calls the adapter makes, as we read them in SGLang 0.5.9: new requests wait
+    while paused, pause "retract" holds the running ones until continue_generation (they keep their
+    tokens); update_weights_from_tensor takes one serialized [(name, tensor)] per TP rank and answers
+    (success, message); abort_request(abort_all=True) makes every request inside return "abort"."""
+
+    def __init__(self, session):
+        self.paused, self.running, self.calls, self.weights = False, [], [], 0
+        if session:  # newer SGLang: weight loads inside begin/end_weight_update
+            self.begin_weight_update = lambda obj, request: self._log(("begin",))
+            self.end_weight_update = lambda obj, request: self._log(("end",))
+
+    async def _log(self, call):
+        self.calls.append(call)
+        return True, "Success"
+
+    async def pause_generation(self, obj):
+        self.calls.append(("pause", obj.mode))
+        self.paused = True
+
+    async def continue_generation(self, obj):
+        self.calls.append(("continue",))
+        self.paused = False
+
+    async def update_weights_from_tensor(self, obj, request):
+        (chunk,) = [pickle.loads(b) for b in obj.serialized_named_tensors]
+        assert all(t.dtype == torch.bfloat16 for _, t in chunk)
+        self.weights += obj.flush_cache  # the fake model changes once the whole update has landed
+        return await self._log(("update", [n for n, _ in chunk], obj.flush_cache))
+
+    def abort_request(self, rid="", abort_all=False):
+        self.calls.append(("abort",))
+        for req in self.running:
+            req["abort"] = True
+
+
+class FakeEngine:
+    """sglang.Engine as the adapter uses it: `loop`, `tokenizer_manager`, `async_generate(input_ids=,
+    sampling_params=, return_logprob=True)` -> {"output_ids", "meta_info": {"finish_reason": {"type"},
+    "output_token_logprobs": [(logprob, id, None)]}} with output_ids through the stop token, and the
+    length checked before stop tokens. Its "model" emits last token + 1 + weight updates so far (mod 40),
+    one token per `step` seconds, with logprob -0.5 per token."""
+    step = 0.0
+    last = None  # the latest instance, for the tests to inspect
+
+    def __init__(self, **kwargs):
+        self.kwargs, self.loop, self.shut = kwargs, asyncio.new_event_loop(), False
+        session = hasattr(sys.modules["sglang.srt.managers.io_struct"], "BeginWeightUpdateReqInput")
+        self.tokenizer_manager = FakeTokenizerManager(session)
+        self.seen = []  # sampling params of every request
+        FakeEngine.last = self
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob=False):
+        tm, sp, req = self.tokenizer_manager, sampling_params, {"abort": False}
+        self.seen.append(sp)
+        while tm.paused:
+            await asyncio.sleep(0.001)
+        tm.running.append(req)
+        ids, finish, last = [], {"type": "length"}, input_ids[-1]
+        while not req["abort"]:
+            last = (last + 1 + tm.weights) % 40
+            ids.append(last)
+            if len(ids) == sp["max_new_tokens"]:
+                break
+            if last in sp["stop_token_ids"]:
+                finish = {"type": "stop", "matched": last}
+                break
+            await asyncio.sleep(self.step)
+            while tm.paused and not req["abort"]:  # retracted until continue_generation
+                await asyncio.sleep(0.001)
+        if req["abort"]:
+            finish = {"type": "abort", "message": "Abort"}
+        tm.running.remove(req)
+        return {"output_ids": ids, "meta_info": {"finish_reason": finish,
+                                                 "output_token_logprobs": [(-0.5, t, None) for t in ids]}}
+
+    def shutdown(self):
+        self.shut = True
+
+
+@pytest.fixture
+def fake_sglang(monkeypatch):
+    """Injects a fake `sglang` (Engine, srt.managers.io_struct, srt.utils.MultiprocessingSerializer). It
+    tests our adapter against our reading of SGLang's API, not SGLang itself (which needs a GPU)."""
+    io = types.ModuleType("sglang.srt.managers.io_struct")
+    io.PauseGenerationReqInput = dataclasses.make_dataclass("PauseGenerationReqInput", [("mode", str, "abort")])
+    io.ContinueGenerationReqInput = dataclasses.make_dataclass("ContinueGenerationReqInput", [])
+    io.UpdateWeightsFromTensorReqInput = dataclasses.make_dataclass(
+        "UpdateWeightsFromTensorReqInput", [("serialized_named_tensors", list), ("flush_cache", bool, True)])
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.MultiprocessingSerializer = types.SimpleNamespace(serialize=pickle.dumps)  # CUDA IPC handles in SGLang
+    sgl, srt, managers = (types.ModuleType(n) for n in ("sglang", "sglang.srt", "sglang.srt.managers"))
+    sgl.Engine, sgl.srt, srt.managers, srt.utils, managers.io_struct = FakeEngine, srt, managers, utils, io
+    for m in (sgl, srt, managers, io, utils):
+        monkeypatch.setitem(sys.modules, m.__name__, m)
+    monkeypatch.setattr(FakeEngine, "step", 0.0)
+    engines = []
+
+    def make(tmp_path, **kw):
+        engine = SGLangEngine(model_dir(tmp_path), "cuda:1", **kw)
+        engine.device = torch.device("cpu")  # the fake runs on CPU; the CUDA-only steps are skipped there
+        engines.append(engine)
+        return engine, FakeEngine.last
+
+    yield make
+    for e in engines:
+        e.shutdown()
+
+
+def test_sglang_engine_args_and_completions(tmp_path, fake_sglang):
+    engine, fake = fake_sglang(tmp_path, max_batch=8)
+    assert fake.kwargs | {"model_path": None} == {
+        "model_path": None, "skip_tokenizer_init": True, "tp_size": 1, "base_gpu_id": 1, "dtype": "bfloat16",
+        "random_seed": 0, "mem_fraction_static": 0.8, "max_running_requests": 8}
+    sp = SamplingParams(temperature=0.7, max_new_tokens=4, stop_token_ids=(12,))
+    stop, length = engine.generate([[1, 2, 9], [20]], sp)
+    assert stop == Completion([10, 11, 12], [-0.5] * 3, "stop", (0, 0))  # the stop token is kept
+    assert length == Completion([21, 22, 23, 24], [-0.5] * 4, "length", (0, 0))
+    # SGLang says "length" when the stop token is also the last allowed one; TorchEngine says "stop"
+    assert engine.generate([[9]], SamplingParams(max_new_tokens=3, stop_token_ids=(12,)))[0].finish_reason == "stop"
+    assert fake.seen[0] == {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 4, "stop_token_ids": [12]}
+    engine.generate([[1]] * 3, sp, seed=5)
+    engine.generate([[1]] * 3, sp, seed=5)
+    seeds = [s["sampling_seed"] for s in fake.seen[-6:]]
+    assert seeds[:3] == seeds[3:] and len(set(seeds[:3])) == 3  # reproducible, distinct within a call
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([[]], sp)
+    engine.shutdown()
+    assert fake.shut and not engine._thread.is_alive()
+
+
+@pytest.mark.parametrize("partial,session", [(True, False), (False, True)])
+def test_sglang_weight_push_is_chunked_and_lazy(tmp_path, fake_sglang, partial, session):
+    if session:
+        io = sys.modules["sglang.srt.managers.io_struct"]
+        io.BeginWeightUpdateReqInput = io.EndWeightUpdateReqInput = io.ContinueGenerationReqInput  # empty requests
+    engine, fake = fake_sglang(tmp_path, partial_rollout=partial, update_chunk_bytes=2048)
+    tm, params = fake.tokenizer_manager, list(tiny_model().named_parameters())
+    pushed_before = []
+
+    def lazy():  # like an FSDP gather: tensors are produced one at a time
+        for name, p in params:
+            pushed_before.append(sum(c[0] == "update" for c in tm.calls))
+            yield name, p.detach()
+
+    engine.update_weights(lazy(), version=3)
+    updates = [c for c in tm.calls if c[0] == "update"]
+    assert len(updates) > 2 and pushed_before[-1] > 0  # pushed while the generator was still running
+    assert [c[2] for c in updates] == [False] * (len(updates) - 1) + [True]  # only the last one flushes
+    names = [n for c in updates for n in c[1]]
+    assert names == [hf_name(n) for n, _ in params]
+    assert {"model.layers.0.self_attn.q_proj.weight", "lm_head.weight"} <= set(names)  # HF names
+    steps = [c[0] for c in tm.calls if c[0] != "update"]
+    assert steps == ["pause"] + ["abort"] * (not partial) + ["begin", "end"] * session + ["continue"]
+    assert tm.calls[0] == ("pause", "retract") and engine.version == 3
+    engine.update_weights([], version=4)  # nothing to push: only the version moves
+    assert engine.version == 4 and len(tm.calls) == len(updates) + len(steps)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_sglang_update_mid_generation(tmp_path, fake_sglang, partial, monkeypatch):
+    engine, fake = fake_sglang(tmp_path, partial_rollout=partial)
+    monkeypatch.setattr(FakeEngine, "step", 0.01)
+    result = {}
+    sp = SamplingParams(max_new_tokens=80)
+    t = threading.Thread(target=lambda: result.update(out=engine.generate([[1], [2]], sp)))
+    t.start()
+    time.sleep(0.15)
+    engine.update_weights(tiny_model().named_parameters(), version=1)
+    t.join()
+    for c in result["out"]:
+        steps = {(b - a) % 40 for a, b in zip(c.token_ids, c.token_ids[1:])}
+        if partial:  # continued under the new weights (the fake model's step changed from 1 to 2)
+            assert c.versions == (0, 1) and c.finish_reason == "length" and len(c.token_ids) == 80
+            assert steps == {1, 2}
+        else:  # aborted at the update, to be regenerated
+            assert c.finish_reason == "abort" and 0 < len(c.token_ids) < 80 and steps == {1}
+            assert len(c.logprobs) == len(c.token_ids)
+
+
+def test_sglang_abort_and_resume(tmp_path, fake_sglang, monkeypatch):
+    engine, fake = fake_sglang(tmp_path)
+    monkeypatch.setattr(FakeEngine, "step", 0.01)
+    result = {}
+    sp = SamplingParams(max_new_tokens=1000)  # 10 s at the fake's pace
+    t = threading.Thread(target=lambda: result.update(out=engine.generate([[1]] * 3, sp)))
+    t.start()
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    engine.abort()
+    t.join()
+    assert time.perf_counter() - t0 < 2 and all(c.finish_reason == "abort" for c in result["out"])
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=5))[0] == Completion([], [], "abort", (0, 0))
+    engine.resume()
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=5))[0].finish_reason == "length"
