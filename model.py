@@ -188,9 +188,10 @@ class KVCache:
 
     def keep(self, rows: torch.Tensor):
         """Drop finished rows (rows: indices to keep) so later steps do no work for them."""
-        self.k = [t[rows] for t in self.k]
-        self.v = [t[rows] for t in self.v]
-        self.index_k = [None if t is None else t[rows] for t in self.index_k]
+        for store in (self.k, self.v, self.index_k):  # layer by layer: only one layer is ever copied twice
+            for i, t in enumerate(store):
+                if t is not None:
+                    store[i] = t[rows]
         self.key_mask = self.key_mask[rows]
 
 
@@ -592,9 +593,9 @@ def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad):
     values [B, Hkv, c, K, D] bf16 (GPU chunk size) and probabilities [B, Hkv, c, G, K] fp32 x2. With grad,
     a chunk is recomputed in backward and its gradients join it."""
     K, per_q = min(cfg.dsa.topk, Tk), B * cfg.dsa.heads * Tk
-    scores = max(1, dsa.CHUNK_ELEMENTS // per_q) * per_q * 4 * 2
+    scores = min(Tq, max(1, dsa.CHUNK_ELEMENTS // per_q)) * per_q * 4 * 2  # a chunk is at most all Tq queries
     per_q = B * K * cfg.num_kv_heads * cfg.head_dim
-    c = max(1, dsa.GATHER_ELEMENTS * 64 // per_q)
+    c = min(Tq, max(1, dsa.GATHER_ELEMENTS * 64 // per_q))
     return max(scores, (2 * 2 * c * per_q + 2 * 4 * c * B * K * cfg.num_heads) * (2 if grad else 1))
 
 
@@ -686,8 +687,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         if cfg.dsa is not None and cfg.dsa.topk < S:  # a decode step's indexer scores [B, 1, H_I, S]
             decode += _dsa_block(cfg, B, 1, S, grad=False)
         name, peak = max([("prefill of batch x prompt tokens", prefill), ("one decode step's logits (and DSA scores)", decode),
-                          # keep() builds the new list of every layer's keys before the old list is freed
-                          ("KVCache.keep: new keys before old are freed", B * S * 2 * L * KD)], key=lambda t: t[1])
+                          # keep() drops finished rows one layer at a time: one layer's keys copied
+                          ("KVCache.keep: one layer's keys, copied", B * S * KD * 2)], key=lambda t: t[1])
         generator = [("bf16 weights", 2 * P), (f"KV cache bf16, {B} x {S} slots", B * S * kv_token),
                      (f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
     settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,

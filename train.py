@@ -61,8 +61,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import grpo
-from model import GLM, GLMConfig
-from rollout import Generator, SamplingParams, TorchEngine, evaluate
+from model import GLM, GLMConfig, memory_plan
+from rollout import Generator, SamplingParams, SGLangEngine, TorchEngine, evaluate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_cpu.yaml")
 STAGES = ("dsa_warmup", "sft", "rl")
@@ -722,9 +722,12 @@ def combine_ranks(parts):
 def make_engine(cfg: Config, model_dir, device):
     """The generator's engine on this process's generator device, holding a copy of model_dir."""
     if cfg.rollout.engine == "sglang":
-        from rollout import SGLangEngine
-        return SGLangEngine(model_dir, device, partial_rollout=cfg.rollout.partial_rollout, max_batch=cfg.rollout.max_batch,
-                            mem_fraction_static=cfg.rollout.sglang_mem_fraction, seed=cfg.seed + 7919 * rank())
+        try:  # SGLang missing, a CPU device or a DSA model: one line naming the problem
+            return SGLangEngine(model_dir, device, partial_rollout=cfg.rollout.partial_rollout,
+                                max_batch=cfg.rollout.max_batch, mem_fraction_static=cfg.rollout.sglang_mem_fraction,
+                                seed=cfg.seed + 7919 * rank(), dsa=True if cfg.model.dsa else None)
+        except (ImportError, ValueError) as e:
+            raise ConfigError(str(e)) from None
     model = GLM.from_pretrained(model_dir, dsa=cfg.model.dsa, device=device)
     return TorchEngine(model, max_batch=cfg.rollout.max_batch, partial_rollout=cfg.rollout.partial_rollout)
 
@@ -947,7 +950,6 @@ def architecture(cfg: Config) -> GLMConfig:
 
 def plan_memory(cfg: Config, processes):
     """The per-GPU memory plan of this config with `processes` generator/learner pairs in all."""
-    from model import memory_plan  # TEMP until model.py has it
     r, g, t = cfg.rollout, cfg.grpo, cfg.train
     return memory_plan(architecture(cfg), learner_gpus=processes, parallel=t.parallel,
                        micro_batch_tokens=cfg.optim.max_tokens_per_micro_batch,
@@ -955,7 +957,8 @@ def plan_memory(cfg: Config, processes):
                        trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
                        generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
-                       prompt_len=r.max_prompt_tokens, engine=r.engine, sglang_mem_fraction=r.sglang_mem_fraction)
+                       prompt_len=r.max_prompt_tokens, engine=r.engine, sglang_mem_fraction=r.sglang_mem_fraction,
+                       logit_chunk=LOGIT_CHUNK)
 
 
 def check_run_dir(cfg: Config, resume):
@@ -983,8 +986,8 @@ def main(argv=None):
     processes = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun else cfg.train.pairs
     if args.dry_run:
         plan = plan_memory(cfg, processes)
-        print(f"{args.config}: {plan.params / 1e9:.2f}B parameters; {processes} generator/learner GPU pairs, "
-              f"learners in {cfg.train.parallel}\n{plan.text(H100_BYTES)}")
+        print(f"{args.config}: {processes} generator/learner GPU pairs, learners in {cfg.train.parallel}, "
+              f"on H100s\n{plan.text(H100_BYTES)}", flush=True)
         if plan.problems(H100_BYTES):
             raise ConfigError("does not fit on H100s: " + "; ".join(plan.problems(H100_BYTES)))
         return
@@ -1032,6 +1035,9 @@ def main(argv=None):
     if cfg.train.sft_steps and any("solution" not in ex for ex in train_examples):
         raise ConfigError(f"{cfg.data.train}: train.sft_steps > 0 needs reference solutions (a 'solution' key in "
                           "every example); only data.train: synthetic has them")
+    # The engine comes up first, so that a problem with it (SGLang missing, ...) shows before the warm-ups;
+    # RL publishes the learner's weights to it before the first rollout.
+    engine = make_engine(cfg, ckpt or start, devices[0]) if cfg.train.rl_steps > 0 else None
     log = MetricsLog(cfg, resume)
 
     done = STAGES.index(resume["stage"]) if resume else 0  # stages before the checkpoint's are finished
@@ -1040,7 +1046,6 @@ def main(argv=None):
             train_warmup(stage, cfg, model, tokenizer, train_examples, resume, log)
     if cfg.train.rl_steps > 0:
         set_threads(cfg, devices, rl=True)
-        engine = make_engine(cfg, ckpt or start, devices[0])
         ref_model = None
         if cfg.grpo.kl_coef > 0 or cfg.grpo.kl_guard:  # the reference is the policy RL started from
             ref_dir = os.path.join(run_dir, "reference")
@@ -1051,7 +1056,11 @@ def main(argv=None):
             ref_model = GLM.from_pretrained(ref_dir, dtype=torch.float32, device=devices[1]).eval().requires_grad_(False)
             if cfg.train.parallel == "fsdp":  # sharded like the policy; DDP keeps a replica (nothing to reduce)
                 ref_model = parallel_learner(cfg, ref_model, devices[1])
-        train_rl(cfg, model, engine, ref_model, tokenizer, train_examples, eval_examples, resume, log)
+        try:
+            train_rl(cfg, model, engine, ref_model, tokenizer, train_examples, eval_examples, resume, log)
+        finally:
+            if hasattr(engine, "shutdown"):  # SGLang's server processes must not outlive us
+                engine.shutdown()
     if rank() == 0:
         print(f"[train] done: {run_dir}")
 

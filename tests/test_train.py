@@ -1,10 +1,15 @@
 """Tests for train.py: config loading and validation, the learner's packed logprobs against the
-generator's, one RL step in-process (staleness filter, on-policy check, micro-batch gradients), and short
-end-to-end runs of the tiny config in a subprocess (metrics, checkpoints, Ctrl-C, resume after a kill)."""
+generator's, one RL step in-process (staleness filter, on-policy check, micro-batch gradients), short
+end-to-end runs of the tiny config in a subprocess (metrics, checkpoints, Ctrl-C, resume after a kill),
+and several processes (torchrun, gloo on CPU) against one: RL steps on a fixed global batch with DDP and
+FSDP2, the warm-up stages end to end, and checkpoint/resume with 2 processes.
+
+This file is also the worker of the RL-step test: `torchrun ... tests/test_train.py OUT PARALLEL AGG`."""
 import copy
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,6 +131,25 @@ def test_glm9b_recipe_numbers():
     assert (g.eps_low, g.eps_high, g.agg, g.kl_coef, g.icepop_beta) == (0.2, 0.28, "seq-mean-token-mean", 0.0, 2.0)
     assert (o.lr, o.weight_decay, o.betas, o.max_tokens_per_micro_batch) == (1e-6, 0.1, [0.9, 0.98], 4608)
     assert (t.eval_every, t.eval_n, t.eval_max_new_tokens) == (20, 16, 16384)
+
+
+def test_dry_run_prints_the_9b_memory_plan():
+    p = subprocess.run([sys.executable, "train.py", "--config", GLM9B, "--dry-run"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "9.40B parameters" in p.stdout and "learner GPU (fsdp over 4)" in p.stdout
+    assert p.stdout.count("fits in 74.5 GiB") == 2  # learner and generator
+    p = subprocess.run([sys.executable, "train.py", "--config", GLM9B, "--dry-run", "train.parallel=ddp"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "does NOT fit" in p.stdout
+    assert p.stderr.startswith("error: does not fit on H100s: learner GPU (ddp over 4)") and "train.parallel: fsdp" in p.stderr
+
+
+def test_sglang_engine_on_cpu_fails_before_training(tmp_path):
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "rollout.engine=sglang"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: rollout.engine: sglang runs on a CUDA")
+    assert not os.path.exists(tmp_path / "r" / "metrics.jsonl")  # nothing trained
 
 
 def test_cli_config_error_is_one_line():
@@ -354,3 +378,137 @@ def test_every_optional_path_runs(tmp_path):
     assert rl[-1]["kl_guard/fired"] == 1.0 and rl[-1]["kl_guard/scale"] < 1.0  # any KL is above a 1e-9 threshold
     assert rl[-1]["train/lr"] == pytest.approx(5e-4 * rl[-1]["kl_guard/scale"])  # the guard brakes the lr
     assert "train/logp_diff_max" not in rl[0]  # only measured when pi_old is recomputed
+
+
+# ----------------------------------------------------------------------------- several processes
+# torchrun with gloo on the CPU: the same code path as NCCL on GPUs, minus the kernels.
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+def fixed_global_batch():
+    """16 samples in 8 groups of 2 from a seeded engine: the same on every process."""
+    tok = data.make_tiny_tokenizer()
+    model = tiny_model()
+    engine = TorchEngine(copy.deepcopy(model), max_batch=16)
+    prompts = [data.render_prompt(tok, ex["prompt"]) for ex in data.synthetic_task(8, seed=1)]
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12, stop_token_ids=(1,))
+    flat = [p for p in prompts for _ in range(2)]
+    comps = engine.generate(flat, sampling, seed=3)
+    # Groups 6 and 7 come from an old version: dropped as stale at step 2, which leaves rank 1 of 2
+    # (it owns them) with nothing to train on; it must still take part in every collective.
+    versions = [(1, 1)] * 12 + [(0, 0)] * 4
+    return model, [Sample(p, c.token_ids, c.logprobs, float((i * 7) % 3 == 0), i // 2, v, c.finish_reason, {})
+                   for i, (p, c, v) in enumerate(zip(flat, comps, versions))]
+
+
+def rl_steps_on_fixed_batch(parallel, agg):
+    """Three RL steps (versions 0, 1, 2): rank r of W trains its share of the fixed global batch
+    (uneven: rank 0 gets groups 0-5, rank 1 groups 6-7). Returns the final weights."""
+    model, samples = fixed_global_batch()
+    if train.world() > 1:
+        owned = range(0, 12) if train.rank() == 0 else range(12, 16)
+        samples = [samples[i] for i in owned]
+    cfg = train.load_config(TINY, ["rollout.temperature=0.7", "rollout.max_staleness=1", f"grpo.agg={agg}",
+                                   f"train.parallel={parallel}", "optim.max_tokens_per_micro_batch=40",
+                                   "optim.warmup_steps=0", "optim.lr=0.5", "grpo.kl_coef=0.01"])
+    for name, p in model.named_parameters():
+        p.requires_grad_(".indexer." not in name)
+    ref = copy.deepcopy(model).requires_grad_(False)
+    learner = train.parallel_learner(cfg, model, torch.device("cpu"))
+    if parallel == "fsdp":
+        ref = train.parallel_learner(cfg, ref, torch.device("cpu"))
+    # SGD, not AdamW: the key biases have a zero gradient in exact arithmetic (softmax ignores a shift
+    # shared by all keys), and Adam would blow their float noise up to lr-sized steps.
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for version in range(3):
+        batch = RolloutBatch(samples, index=version, stream_state={}, metrics={})
+        m = train.rl_step(cfg, learner, ref, opt, grpo.KLGuard(), batch, version)
+    assert m["train/samples"] == (0 if train.rank() == 1 else 12)  # step 2: rank 1 had only stale samples
+    return {k: v.clone() for k, v in train.full_weights(learner)}
+
+
+@pytest.mark.parametrize("parallel, agg", [("fsdp", "seq-mean-token-mean"), ("ddp", "token-mean")])
+def test_two_processes_match_one_on_the_same_global_batch(parallel, agg, tmp_path):
+    out = str(tmp_path / "weights.pt")
+    p = subprocess.run([*TORCHRUN, "tests/test_train.py", out, parallel, agg], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env=os.environ | {"PYTHONPATH": ROOT})  # the worker imports train
+    assert p.returncode == 0, p.stderr[-3000:]
+    two = torch.load(out)
+    one = rl_steps_on_fixed_batch(parallel, agg)
+    start = dict(fixed_global_batch()[0].named_parameters())
+    assert any((one[k] - start[k]).abs().max() > 1e-3 for k in one)  # the steps really moved the weights
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-6, msg=k)
+
+
+def run_procs(run_dir, *overrides, resume=False, launcher="self"):
+    """train.py on 2 processes, started by train.py itself (train.pairs=2) or by torchrun."""
+    args = ["--config", TINY, f"run_dir={run_dir}", *FAST, "rollout.max_staleness=0", *overrides]
+    cmd = ([sys.executable, "train.py", *args, "train.pairs=2"] if launcher == "self" else
+           [*TORCHRUN, "train.py", *args])
+    p = subprocess.run(cmd + (["--resume"] if resume else []), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+@pytest.fixture(scope="module")
+def two_proc_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("two"))
+    run_procs(run_dir, "train.parallel=fsdp")
+    return run_dir
+
+
+def test_two_processes_warm_up_like_one(two_proc_run, sync_run):
+    """The warm-up stages split one global batch over the ranks: the losses, gradient norms and the
+    weights at the end of SFT are those of one process (float tolerance)."""
+    got, want = metrics(two_proc_run), metrics(sync_run)
+    assert [(r["stage"], r["step"]) for r in got] == EXPECTED_STEPS
+    for a, b in zip(got[:6], want[:6]):
+        for key in ("train/loss", "train/indexer_kl", "train/grad_norm"):
+            assert (key in a) == (key in b)
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["stage"], a["step"], key)
+    sft_end = [os.path.join(d, "checkpoints", "step_000006") for d in (two_proc_run, sync_run)]
+    a, b = (dict(GLM.from_pretrained(d).named_parameters()) for d in sft_end)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+    state = torch.load(os.path.join(train.checkpoints(two_proc_run)[-1], "state.pt"), weights_only=False)
+    assert len(state["ranks"]) == 2 and all(r["stream"]["position"] == 4 * 2 for r in state["ranks"])  # 2 prompts/rank/step
+    rl = [r for r in got if r["stage"] == "rl" and r["step"] > 0]
+    assert all(r["train/samples"] == 16 and r["perf/publish_s"] >= 0 for r in rl)  # both ranks' 8 samples
+
+
+def test_two_processes_resume_exactly(two_proc_run, tmp_path):
+    """Stop 2 processes (torchrun) after RL step 2, resume with torchrun: the run ends as the
+    uninterrupted one did (per-rank data positions and RNGs restored, FSDP optimizer state reloaded)."""
+    run_dir = str(tmp_path / "resumed")
+    run_procs(run_dir, "train.parallel=fsdp", "train.rl_steps=2", launcher="torchrun")
+    run_procs(run_dir, "train.parallel=fsdp", resume=True, launcher="torchrun")
+    got, want = metrics(run_dir), metrics(two_proc_run)
+    assert [(r["stage"], r["step"]) for r in got] == EXPECTED_STEPS
+    for a, b in zip(got, want):
+        for key in ("train/loss", "rollout/reward", "eval/accuracy", "train/grad_norm", "train/pg_loss"):
+            assert (key in a) == (key in b)
+            if key in a:
+                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["stage"], a["step"], key)
+    a, b = (dict(GLM.from_pretrained(train.checkpoints(d)[-1]).named_parameters()) for d in (run_dir, two_proc_run))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_resume_needs_the_same_number_of_processes(two_proc_run, tmp_path):
+    run_dir = str(tmp_path / "copy")
+    shutil.copytree(two_proc_run, run_dir)
+    p = subprocess.run([sys.executable, "train.py", "--config", TINY, f"run_dir={run_dir}", *FAST, "--resume"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "written by 2 processes; resume it with as many (this run has 1)" in p.stderr
+
+
+if __name__ == "__main__":  # the torchrun worker of test_two_processes_match_one_on_the_same_global_batch
+    torch.distributed.init_process_group("gloo")
+    torch.set_num_threads(1)
+    weights = rl_steps_on_fixed_batch(sys.argv[2], sys.argv[3])
+    if train.rank() == 0:
+        torch.save(weights, sys.argv[1])
+    torch.distributed.destroy_process_group()
