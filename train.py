@@ -6,7 +6,9 @@ The entry point: config, devices, the three training stages, checkpoints, eval, 
     python train.py rollout.temperature=0.8 run_dir=runs/t08     # any key.sub=value overrides the YAML
     python train.py --resume run_dir=runs/t08            # continue from the run's latest checkpoint
     python train.py --config configs/glm9b_math.yaml --dry-run   # parameter count + per-GPU memory plan
-    torchrun --nnodes 2 --nproc-per-node 4 ... train.py --config configs/glm9b_math.yaml   # several machines
+    python train.py train.pairs=2                        # the multi-process path on one CPU (gloo)
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        train.py --config configs/glm9b_math.yaml        # several machines (run_dir on shared storage)
 
 Processes (DESIGN.md, "The process layout"): one process per generator/learner GPU pair. Process r of
 G on a machine with 2G GPUs generates on cuda:r and learns on cuda:r+G. `python train.py` starts the
@@ -28,9 +30,9 @@ A run directory holds config.yaml (the resolved config), metrics.jsonl (one JSON
 init_model/ (a fresh model's starting weights) and checkpoints/step_XXXXXX/ (a Hugging Face model
 directory plus state.pt: stage, step, optimizer, data position, RNGs), numbered by steps across stages.
 
-Simplified on purpose: one optimizer step per batch (no PPO epochs), constant learning rates after an optional linear
-warm-up, and the learner keeps fp32 master weights (bf16 autocast on GPU) because bf16 weights would
-round an lr-1e-6 update away.
+Simplified on purpose: one optimizer step per batch (no PPO epochs), constant learning rates after an
+optional linear warm-up, and the learner keeps fp32 master weights (bf16 compute on GPU) because bf16
+weights would round an lr-1e-6 update away.
 """
 import argparse
 import datetime
