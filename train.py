@@ -358,8 +358,7 @@ def launch(cfg: Config, argv):
     machine, a free port), each running this file with the same arguments."""
     from torch.distributed.run import get_args_parser, run
     print(f"[train] starting {cfg.train.pairs} processes (one per generator/learner pair)", flush=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // cfg.train.pairs)))  # set_threads refines it
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // cfg.train.pairs)))  # set_threads refines it
     try:
         run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={cfg.train.pairs}",
                                           os.path.abspath(__file__), *argv]))
@@ -367,12 +366,15 @@ def launch(cfg: Config, argv):
         raise SystemExit(f"error: a training process failed ({type(e).__name__}); see its message above") from None
 
 
-def set_threads(cfg: Config, devices, rl: bool):
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads(devices, rl: bool):
     """Processes on one machine split its cores; within a process, the learner (main thread) and the
     generator thread get half each during RL when both run on the CPU, so their op thread pools do not
     fight over the same cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cores = max(1, cores // local_layout()[1])
+    cores = max(1, cpu_cores() // local_layout()[1])
     both_cpu = devices[0].type == devices[1].type == "cpu"
     torch.set_num_threads(max(1, cores // 2) if rl and both_cpu else cores)
 
@@ -1012,7 +1014,7 @@ def main(argv=None):
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
-    set_threads(cfg, devices, rl=False)
+    set_threads(devices, rl=False)
     start = starting_point(cfg, run_dir) if rank() == 0 else None  # rank 0 writes a fresh model's init_model/
     barrier()
     start = start or starting_point(cfg, run_dir)
@@ -1047,7 +1049,7 @@ def main(argv=None):
         if STAGES.index(stage) >= done and getattr(cfg.train, f"{stage}_steps") > 0:
             train_warmup(stage, cfg, model, tokenizer, train_examples, resume, log)
     if cfg.train.rl_steps > 0:
-        set_threads(cfg, devices, rl=True)
+        set_threads(devices, rl=True)
         ref_model = None
         if cfg.grpo.kl_coef > 0 or cfg.grpo.kl_guard:  # the reference is the policy RL started from
             ref_dir = os.path.join(run_dir, "reference")
