@@ -12,7 +12,7 @@ with values) becomes O(T * k). Pieces, in the order the model uses them:
 
   - `DSAConfig`: topk, indexer heads/dim/rope dims, and the IndexCache layer pattern ("FSSS").
   - `Indexer`: the projections (query per head, one LayerNorm'd key per token, per-head weights).
-  - `index_scores`, `select_topk`: scores and deterministic `torch.topk` under the attention mask.
+  - `index_scores`, `select_topk`: fp32 scores and deterministic `torch.topk` under the attention mask.
   - `sparse_attention`: softmax attention over the gathered top-k keys; all heads share the set.
   - `dense_indexer_kl`, `sparse_indexer_kl`: the two losses that train the indexer when a dense
     checkpoint is converted to DSA (dense warm-up, then sparse stage). The indexer sees detached
@@ -20,6 +20,14 @@ with values) becomes O(T * k). Pieces, in the order the model uses them:
 
 IndexCache: layers marked `S` in the pattern own no indexer and reuse the indices chosen by the
 nearest preceding `F` layer, which removes most of the indexer's cost.
+
+Precision. The learner runs under bf16 autocast and the generator in bf16 weights, and both must pick
+the same keys: a score rounded to bf16 (8 bits of mantissa) ties or flips against its neighbours, and
+one flipped key changes a token's logits far more than bf16 rounding does. So indexer scores, top-k,
+the indexer KL and sparse attention's logits and softmax are computed in fp32 whatever the autocast
+state (`fp32_scope`), and the small indexer parameters (`weights_proj`, `k_norm`) stay fp32 in every
+copy of the model (`FP32_PARAMS`), as DeepSeek-V3.2's reference keeps them. The indexer's q and k are
+rounded to the compute dtype before scoring, on both sides: that is how the generator's cache holds k.
 
 Masks are passed as objects with a `.dense(q0, q1) -> bool [B|1, q1-q0, Tk]` method (model.AttnMask),
 so nothing here materialises a [T, T] matrix for more than one chunk of queries at a time.
@@ -35,6 +43,15 @@ from torch.utils.checkpoint import checkpoint
 # sparse attention's gathered keys get a cache-sized block on CPU, 64x that on GPU.
 CHUNK_ELEMENTS = 1 << 24
 GATHER_ELEMENTS = 1 << 22
+GATHER_GPU_FACTOR = 16
+# Parameter names (suffixes) kept in fp32 in every copy of the model: the learner's bf16 FSDP gather and
+# the generator's bf16 weights leave them alone (model.py, train.py).
+FP32_PARAMS = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
+
+
+def fp32_scope(t):
+    """Autocast off on t's device: what runs inside computes in the dtypes it is given (fp32 here)."""
+    return torch.autocast(t.device.type, enabled=False)
 
 
 @dataclass
@@ -79,23 +96,30 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(hidden_size, cfg.heads, bias=False)
 
     def forward(self, x):
-        """x [B, T, hidden] -> q [B, T, H_I, d_I], k [B, T, d_I], w [B, T, H_I] (before RoPE)."""
+        """x [B, T, hidden] -> q [B, T, H_I, d_I], k [B, T, d_I] in the compute dtype (bf16 under autocast
+        or with bf16 weights), w [B, T, H_I] fp32; q and k before RoPE."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.cfg.heads, self.cfg.head_dim)
-        k = self.k_norm(self.wk(x))
-        w = self.weights_proj(x) * self.cfg.heads**-0.5
+        k = self.wk(x)
+        with fp32_scope(x):  # LayerNorm and the head weights in fp32, from fp32 parameters
+            n = self.k_norm
+            k = F.layer_norm(k.float(), n.normalized_shape, n.weight.float(), n.bias.float(), n.eps).to(q.dtype)
+            w = F.linear(x.float(), self.weights_proj.weight.float()) * self.cfg.heads**-0.5
         return q, k, w
 
 
 def index_scores(q, w, k):
-    """I(t, s) for a chunk of queries. q [B, c, H_I, d], w [B, c, H_I], k [B, Tk, d] -> [B, c, Tk] fp32."""
-    s = torch.einsum("bchd,bsd->bchs", q.float(), k.float()).relu()  # [B, c, H_I, Tk]
-    return torch.einsum("bchs,bch->bcs", s, w.float()) * q.shape[-1] ** -0.5
+    """I(t, s) for a chunk of queries. q [B, c, H_I, d], w [B, c, H_I], k [B, Tk, d] -> [B, c, Tk] fp32,
+    computed in fp32 from the inputs as given (under autocast too)."""
+    with fp32_scope(q):
+        s = torch.einsum("bchd,bsd->bchs", q.float(), k.float()).relu()  # [B, c, H_I, Tk]
+        return torch.einsum("bchs,bch->bcs", s, w.float()) * q.shape[-1] ** -0.5
 
 
 def _tie_broken(scores):
     """fp32 scores [..., Tk] -> int64 keys with the same order and no ties: the float's bits made
     monotonic as a signed int in the high 32 bits, "earlier key wins" in the low 32 bits."""
+    assert scores.dtype == torch.float32, f"top-k runs on fp32 scores, got {scores.dtype}"
     bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).long()
     slot = torch.arange(scores.shape[-1], device=scores.device)
@@ -142,9 +166,10 @@ def _sparse_chunk(q, kh, vh, idx, valid, scale):
     n = torch.arange(Hkv, device=q.device)[None, :, None, None]
     ks, vs = kh[b, n, idx[:, None]], vh[b, n, idx[:, None]]  # [B, Hkv, c, K, D], ready for batched matmul
     qg = q.view(B, c, Hkv, H // Hkv, D).transpose(1, 2)  # [B, Hkv, c, G, D]: GQA groups under their KV head
-    att = (qg @ ks.transpose(-1, -2)).float() * scale  # [B, Hkv, c, G, K]
-    att = att.masked_fill(~valid[:, None, :, None, :], float("-inf")).softmax(-1)
-    out = (att.to(vs.dtype) @ vs).transpose(1, 2).reshape(B, c, H, D)
+    with fp32_scope(q):  # logits, softmax and the weighted sum in fp32, as a fused kernel keeps them
+        att = (qg.float() @ ks.float().transpose(-1, -2)) * scale  # [B, Hkv, c, G, K]
+        att = att.masked_fill(~valid[:, None, :, None, :], float("-inf")).softmax(-1)
+        out = (att @ vs.float()).to(q.dtype).transpose(1, 2).reshape(B, c, H, D)
     return out, att.detach().mean((1, 3))  # probs summed over heads, L1-normalised: [B, c, K]
 
 
@@ -159,7 +184,7 @@ def sparse_attention(q, k, v, idx, valid, scale, return_probs=False):
     B, Tq, H, D = q.shape
     K = idx.shape[-1]
     kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Tk, D]
-    c = max(1, GATHER_ELEMENTS * (64 if q.is_cuda else 1) // max(1, B * K * k.shape[2] * D))
+    c = max(1, GATHER_ELEMENTS * (GATHER_GPU_FACTOR if q.is_cuda else 1) // max(1, B * K * k.shape[2] * D))
     outs, probs = [], []
     for q0 in range(0, Tq, c):
         args = (q[:, q0 : q0 + c], kh, vh, idx[:, q0 : q0 + c], valid[:, q0 : q0 + c], scale)
@@ -180,13 +205,14 @@ def _kl(p, logits):
 
 
 def _dense_kl_chunk(iq, iw, ik, q, k, allowed, q_valid, scale):
-    with torch.no_grad():  # target: main attention probabilities, averaged over heads
+    with torch.no_grad(), fp32_scope(q):  # target: main attention probabilities (fp32), averaged over heads
         B, c, H, D = q.shape
         qg = q.view(B, c, k.shape[2], H // k.shape[2], D)
-        att = torch.einsum("bcngd,bsnd->bcngs", qg, k).float() * scale
+        att = torch.einsum("bcngd,bsnd->bcngs", qg.float(), k.float()) * scale
         p = att.masked_fill(~allowed[:, :, None, None, :], float("-inf")).softmax(-1).mean((2, 3))
     s = index_scores(iq, iw, ik).masked_fill(~allowed, float("-inf"))
-    return (_kl(p, s) * q_valid).sum()
+    with fp32_scope(q):
+        return (_kl(p, s) * q_valid).sum()
 
 
 def dense_indexer_kl(iq, iw, ik, q, k, mask, scale):
@@ -210,7 +236,8 @@ def sparse_indexer_kl(iq, iw, ik, idx, valid, p, q_valid):
     """Sparse-stage loss: the same KL restricted to each query's selected set. p [B, T, K] is the main
     attention over the selected keys (head-averaged, detached) returned by sparse_attention."""
     ks = _gather(ik, idx)  # [B, T, K, d]
-    s = torch.einsum("bthd,btkd->bthk", iq.float(), ks.float()).relu()
-    s = torch.einsum("bthk,bth->btk", s, iw.float()) * iq.shape[-1] ** -0.5
-    kl = _kl(p, s.masked_fill(~valid, float("-inf")))  # [B, T]
-    return (kl * q_valid).sum() / q_valid.sum().clamp_min(1)
+    with fp32_scope(iq):
+        s = torch.einsum("bthd,btkd->bthk", iq.float(), ks.float()).relu()
+        s = torch.einsum("bthk,bth->btk", s, iw.float()) * iq.shape[-1] ** -0.5
+        kl = _kl(p.float(), s.masked_fill(~valid, float("-inf")))  # [B, T]
+        return (kl * q_valid).sum() / q_valid.sum().clamp_min(1)

@@ -8,20 +8,30 @@ advantage is how much better it did than its siblings, so no value network is ne
 
 Every response token t is trained with the PPO clipped surrogate, asymmetric clip ("clip higher"):
 
-    rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
-    l_it   = max(-A_i rho_it, -A_i clip(rho_it, 1 - eps_low, 1 + eps_high))
-    L      = 1/|B| sum_i 1/|o_i| sum_t l_it  +  kl_coef * KL(pi_theta || pi_ref)  -  entropy_coef * H
+    r_it = pi_theta(o_it | q, o_i<t) / pi_gen(o_it | q, o_i<t)
+    l_it = c_it * max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
+    L    = 1/|B| sum_i 1/|o_i| sum_t l_it  +  kl_coef * KL(pi_theta || pi_ref)  -  entropy_coef * H
 
 (written in the default "seq-mean-token-mean" aggregation; see `aggregate` for the others).
 
-Asynchronous RL brings a third policy. pi_gen is what the generator sampled with: possibly a few
-weight versions stale, always a different kernel stack (bf16 inference engine vs. the trainer).
-pi_old is the learner's own recomputation at the start of the step, the policy the trust region is
-centred on. The token-level gap w_it = pi_old / pi_gen is handled in two ways, usable together:
-  TIS     multiply l_it by min(w_it, cap): truncated importance sampling, bounded variance;
-  IcePop  drop tokens with w_it outside [1/beta, beta]: the mismatch is too large to trust.
-Whole samples that are too stale are dropped before any of this (`fresh_mask`), and groups whose
-rewards all agree have A = 0 and teach nothing (`informative_groups`, dynamic sampling).
+Asynchronous RL brings three policies. pi_gen sampled the tokens: a few weight versions stale, and a
+different kernel stack (bf16 inference engine vs. the trainer). pi_prox is the learner's own policy at
+the start of the step (its forward's logprobs, detached: with one optimizer step per batch no extra
+pass is needed). pi_theta is the policy being optimised, equal to pi_prox in value but carrying the
+gradient. The clipped ratio is r = pi_theta / pi_gen: the trust region is held against the policy that
+sampled, as PPO's surrogate requires. (Decoupled PPO, as in AReaL, clips pi_theta / pi_prox and weights
+by pi_prox / pi_gen; with one step per batch that clip can never bind, since pi_theta = pi_prox, and
+nothing would stop a stale batch from pushing the policy far from its sampler.) Where the clip is not
+active the gradient is A * r * grad log pi_theta = A * w * grad log pi_theta, w = pi_prox / pi_gen: the
+importance weight is already in it. The off-policy corrections act on that mismatch w through c:
+  none    c = 1;
+  TIS     c = min(w, cap) / w: the weight w becomes min(w, cap) (truncated importance sampling);
+  IcePop  c = 0 where w is outside [1/beta, beta] (the mismatch is too large to trust), else 1, so
+          in-band tokens keep their importance weight w (GLM-5, IcePop, slime's icepop_function).
+Log-ratios are clamped to +-20 before exp: one token the policies disagree on wildly must give a huge
+but finite number, never inf. Whole samples that are too stale are dropped before any of this
+(`fresh_mask`), and groups whose rewards all agree have A = 0 and teach nothing (`informative_groups`,
+dynamic sampling).
 
 Shapes: B sequences (one per row, right padded), T tokens; `mask` is 1 on response tokens.
 """
@@ -33,6 +43,27 @@ import torch
 
 AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOG_RATIO_CLAMP = 20.0  # |log pi / pi'| before exp (as verl and slime clamp)
+
+
+@dataclass
+class GRPOConfig:
+    """The objective's settings (the `grpo:` section of a config). A new loss knob is a field here plus
+    its use in policy_loss."""
+    eps_low: float = 0.2  # clip r below 1 - eps_low ...
+    eps_high: float = 0.28  # ... and above 1 + eps_high ("clip higher")
+    dual_clip: float | None = None  # cap the loss of A < 0 tokens at -A * dual_clip (> 1)
+    agg: str = "seq-mean-token-mean"  # one of AGG_MODES
+    std_normalize: bool = True  # advantages divided by the group's std (False: Dr.GRPO)
+    tis_cap: float | None = None  # TIS: the importance weight pi_prox / pi_gen capped at this
+    icepop_beta: float | None = 2.0  # IcePop: drop tokens with pi_prox / pi_gen outside [1/beta, beta]
+    kl_coef: float = 0.0  # KL(pi_theta || pi_ref) weight; > 0 needs a reference model
+    kl_estimator: str = "low_var_kl"  # one of KL_ESTIMATORS
+    entropy_coef: float = 0.0  # entropy bonus weight
+    kl_guard: bool = False  # scale the lr down while the windowed KL to the reference is high (KLGuard)
+    kl_guard_threshold: float = 0.15
+    kl_guard_factor: float = 0.6
+    kl_guard_window: int = 10
 
 # -----------------------------------------------------------------------------
 # Advantages, and the per-sample filters applied before the loss
@@ -153,86 +184,86 @@ def aggregate(values, mask, agg, loss_scale=None):
 # The loss
 
 
-def policy_loss(logp, old_logp, advantages, mask, eps_low=0.2, eps_high=0.28, agg="seq-mean-token-mean",
-                dual_clip=None, gen_logp=None, tis_cap=None, icepop_beta=None,
-                ref_logp=None, kl_coef=0.0, kl_estimator="k3", entropy=None, entropy_coef=0.0,
+def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=None, ref_logp=None, entropy=None,
                 loss_scale=None):
     """Clipped GRPO loss for one (micro-)batch. Returns (loss, metrics of python floats).
 
-    logp [B, T] carries the gradient (and `entropy` [B, T], when the bonus is on); every other
-    tensor is detached here. advantages are [B] (one per sequence) or [B, T].
+    logp [B, T] carries the gradient (and `entropy` [B, T], when the bonus is on); every other tensor is
+    detached here. gen_logp [B, T]: the sampler's logprobs. prox_logp [B, T]: pi_prox; None means logp
+    itself (one optimizer step per batch: the learner's forward is the step's starting policy).
+    advantages are [B] (one per sequence) or [B, T].
     Metric semantics: "pg_loss" is aggregated like the loss (so with loss_scale it sums across
     micro-batches); every other metric is a plain mean over this call's response tokens
-    ("approx_kl" is k3 of pi_theta vs pi_old; "kl" is the chosen estimator vs pi_ref)."""
-    if agg not in AGG_MODES:
-        raise ValueError(f"unknown agg {agg!r}; expected one of {AGG_MODES}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if (tis_cap is not None or icepop_beta is not None) and gen_logp is None:
-        raise ValueError("tis_cap / icepop_beta need the generator's logprobs (gen_logp)")
-    if kl_coef and ref_logp is None:
+    ("mismatch_k3" is the k3 estimate of KL(pi_gen || pi_prox), the train/inference gap;
+    "kl" is the chosen estimator vs pi_ref)."""
+    if cfg.agg not in AGG_MODES:
+        raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGG_MODES}")
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {cfg.dual_clip}")
+    if cfg.kl_coef and ref_logp is None:
         raise ValueError("kl_coef > 0 needs ref_logp")
-    if entropy_coef and entropy is None:
+    if cfg.entropy_coef and entropy is None:
         raise ValueError("entropy_coef > 0 needs entropy")
-    if logp.shape != old_logp.shape or logp.shape != mask.shape:
-        shapes = [tuple(x.shape) for x in (logp, old_logp, mask)]
-        raise ValueError(f"logp, old_logp and mask must have one [B, T] shape, got {shapes}")
+    if logp.shape != gen_logp.shape or logp.shape != mask.shape:
+        shapes = [tuple(x.shape) for x in (logp, gen_logp, mask)]
+        raise ValueError(f"logp, gen_logp and mask must have one [B, T] shape, got {shapes}")
 
     # Padding may hold anything (garbage, -inf). Zeroing it before any exp keeps every intermediate
     # finite, so masked positions get exactly zero gradient instead of 0 * inf = NaN.
     m = mask.bool()  # [B, T]
     pad = ~m
     logp = logp.masked_fill(pad, 0.0)
-    old_logp = old_logp.detach().masked_fill(pad, 0.0)
+    gen_logp = gen_logp.detach().to(logp.dtype).masked_fill(pad, 0.0)
+    prox_logp = (logp if prox_logp is None else prox_logp).detach().masked_fill(pad, 0.0)
     adv = advantages.detach().to(logp.dtype)
     adv = (adv.unsqueeze(-1) if adv.ndim == 1 else adv).expand_as(logp).masked_fill(pad, 0.0)  # [B, T]
 
-    ratio = torch.exp(logp - old_logp)  # [B, T]
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high))  # [B, T]
-    if dual_clip is not None:
+    ratio = torch.exp((logp - gen_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T] r = pi_theta / pi_gen
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))  # [B, T]
+    if cfg.dual_clip is not None:
         # With A < 0 the max() above is unbounded as the ratio grows (the policy already made a
-        # bad token far more likely than pi_old did); cap it at -A * c so one token cannot dominate.
-        pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual_clip), pg)
+        # bad token far more likely than pi_gen did); cap it at -A * c so one token cannot dominate.
+        pg = torch.where(adv < 0, torch.minimum(pg, -adv * cfg.dual_clip), pg)
 
-    weight = torch.ones_like(old_logp)  # [B, T], detached off-policy factor
-    if gen_logp is not None:
-        gen_logp = gen_logp.detach().masked_fill(pad, 0.0)
-        is_ratio = torch.exp(old_logp - gen_logp)  # [B, T] pi_old / pi_gen
-        if tis_cap is not None:
-            weight = weight * is_ratio.clamp(max=tis_cap)
-        if icepop_beta is not None:
-            # GLM-5 and IcePop zero these tokens' gradient. We keep them in the denominators, so the
-            # loss scale does not depend on how many tokens happened to be dropped this step.
-            keep = (is_ratio >= 1.0 / icepop_beta) & (is_ratio <= icepop_beta)
-            weight = weight * keep
-    pg = pg * weight
+    log_w = (prox_logp - gen_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T] log pi_prox / pi_gen
+    w = torch.exp(log_w)
+    c = torch.ones_like(w)  # [B, T], detached off-policy factor
+    if cfg.tis_cap is not None:
+        c = c * w.clamp(max=cfg.tis_cap) / w
+    if cfg.icepop_beta is not None:
+        # Dropped tokens stay in the denominators, so the loss scale does not depend on how many
+        # tokens happened to be dropped this step.
+        keep = (w >= 1.0 / cfg.icepop_beta) & (w <= cfg.icepop_beta)
+        c = c * keep
+    pg = pg * c
 
-    pg_loss = aggregate(pg, m, agg, loss_scale)
+    pg_loss = aggregate(pg, m, cfg.agg, loss_scale)
     loss = pg_loss
     if ref_logp is not None:
-        kl = kl_penalty(logp, ref_logp.detach().masked_fill(pad, 0.0), kl_estimator)  # [B, T]
-        if kl_coef:
-            loss = loss + kl_coef * aggregate(kl, m, agg, loss_scale)
+        kl = kl_penalty(logp, ref_logp.detach().masked_fill(pad, 0.0), cfg.kl_estimator)  # [B, T]
+        if cfg.kl_coef:
+            loss = loss + cfg.kl_coef * aggregate(kl, m, cfg.agg, loss_scale)
     if entropy is not None:
         entropy = entropy.masked_fill(pad, 0.0)
-        if entropy_coef:
-            loss = loss - entropy_coef * aggregate(entropy, m, agg, loss_scale)
+        if cfg.entropy_coef:
+            loss = loss - cfg.entropy_coef * aggregate(entropy, m, cfg.agg, loss_scale)
 
     with torch.no_grad():
         n = max(int(m.sum()), 1)
         token_mean = lambda x: float(torch.where(m, x, 0.0).sum() / n)
         metrics = {
             "pg_loss": float(pg_loss),
-            "clip_frac_low": token_mean(((adv < 0) & (ratio < 1.0 - eps_low)).float()),
-            "clip_frac_high": token_mean(((adv > 0) & (ratio > 1.0 + eps_high)).float()),
-            "approx_kl": token_mean(kl_penalty(logp, old_logp, "k3")),
+            "clip_frac_low": token_mean(((adv < 0) & (ratio < lo)).float()),
+            "clip_frac_high": token_mean(((adv > 0) & (ratio > hi)).float()),
             "ratio_mean": token_mean(ratio),
+            "mismatch_k3": token_mean(kl_penalty(gen_logp, prox_logp, "k3")),
         }
-        if dual_clip is not None:
-            metrics["dual_clip_frac"] = token_mean(((adv < 0) & (ratio > dual_clip)).float())
-        if tis_cap is not None:
-            metrics["is_weight_mean"] = token_mean(is_ratio.clamp(max=tis_cap))
-        if icepop_beta is not None:
+        if cfg.dual_clip is not None:
+            metrics["dual_clip_frac"] = token_mean(((adv < 0) & (ratio > cfg.dual_clip)).float())
+        if cfg.tis_cap is not None:
+            metrics["is_weight_mean"] = token_mean(w.clamp(max=cfg.tis_cap))
+        if cfg.icepop_beta is not None:
             metrics["icepop_masked_frac"] = token_mean((~keep).float())
         if ref_logp is not None:
             metrics["kl"] = token_mean(kl)

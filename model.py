@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dsa
-from dsa import DSAConfig
+from dsa import FP32_PARAMS, DSAConfig
 
 
 # ----------------------------------------------------------------------------- config
@@ -206,7 +206,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return self.weight.to(x.dtype) * h.to(x.dtype)  # stays in x's dtype (fp32 weights under autocast)
 
 
 class Attention(nn.Module):
@@ -259,12 +259,18 @@ class Attention(nn.Module):
 
 
 def dense_attention(q, k, v, mask: AttnMask, scale):
-    """q [B, Tq, H, D], k/v [B, Tk, Hkv, D] -> [B, Tq, H, D], via PyTorch's fused SDPA kernels."""
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    """q [B, Tq, H, D], k/v [B, Tk, Hkv, D] -> [B, Tq, H, D], via PyTorch's fused SDPA kernels.
+    Causal without a mask: the flash kernel, GQA native. With a mask (padding, packed rows, a cache) flash
+    is ruled out; the memory-efficient kernel takes a boolean mask but not enable_gqa, so the KV heads are
+    expanded to H first (2 x [B, Tk, H, D], small). Otherwise CUDA falls back to the math kernel, which
+    materialises fp32 [B, H, Tq, Tk] scores (2.7 GB per layer at 4608 tokens, many times that in backward)."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|Hkv, T, D]
     if mask.is_causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense()[:, None], scale=scale, enable_gqa=True)
+        G = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, H, Tk, D]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense()[:, None], scale=scale)
     return out.transpose(1, 2)
 
 
@@ -345,7 +351,12 @@ class GLM(nn.Module):
         if indexer_loss is not None and self.cfg.dsa is None:
             raise ValueError("indexer_loss needs a model with DSA (dsa=... when loading)")
 
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids)  # [B, T, hidden]
+        if torch.is_autocast_enabled(device.type):
+            # The residual stream in the compute dtype (bf16), as the generator's bf16 weights and FSDP's bf16
+            # gathers make it: one numerics for every copy of the model, so the learner's logprobs and DSA
+            # selections match the generator's (an fp32 stream here alone flips top-k keys and costs memory).
+            x = x.to(torch.get_autocast_dtype(device.type))
         selected, kls = None, []  # top-k choice flows from each F layer to the S layers after it
         for block in self.layers:
             args = (x, rope, mask, cache, selected, indexer_loss)
@@ -371,9 +382,14 @@ class GLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dsa=None, dtype=None, device=None) -> "GLM":
         """Load an HF directory. dsa: None keeps the checkpoint's own setting (dense for a GLM-4
-        checkpoint), a dict (or DSAConfig) turns DSA on, False turns it off. Indexer weights missing
-        from the checkpoint are freshly initialised (and we say so); any other missing or misshapen
-        tensor is an error naming it."""
+        checkpoint), a dict (or DSAConfig) turns DSA on, False turns it off. dtype (default bf16 on
+        CUDA, else fp32) applies to every weight but dsa.FP32_PARAMS, which stay fp32.
+
+        IndexCache patterns may differ between the checkpoint and the model: a layer that owns an
+        indexer (`F`) takes the checkpoint's indexer for that layer when the file has one, and only the
+        layers without one are freshly initialised (we say which); indexer tensors of layers that are
+        `S` now (or of any layer, loading dense) are dropped, with one line. Any other missing,
+        unexpected or misshapen tensor is an error naming it."""
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face model directory)")
@@ -388,37 +404,53 @@ class GLM(nn.Module):
         expected = {hf_name(n): p for n, p in model.state_dict(keep_vars=True).items()}
         if cfg.tie_word_embeddings:
             expected.pop("lm_head.weight")
-        loaded, fresh = {}, []
+        loaded, dropped = {}, set()
         for file, names in _safetensors_files(path).items():
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names:
                     if name not in expected:
-                        if ".indexer." in name and cfg.dsa is None:
-                            continue  # a DSA checkpoint loaded dense
+                        if ".indexer." in name:  # an indexer this model's pattern (or dense) does not use
+                            dropped.add(_layer_of(name))
+                            continue
                         raise ValueError(f"{file}: unexpected tensor {name} (not part of {describe(cfg)})")
                     t = f.get_tensor(name)
                     if tuple(t.shape) != tuple(expected[name].shape):
                         raise ValueError(f"{file}: tensor {name} has shape {tuple(t.shape)}, "
                                          f"expected {tuple(expected[name].shape)}")
-                    loaded[name] = t.to(device=device, dtype=dtype)
+                    loaded[name] = t.to(device=device, dtype=torch.float32 if name.endswith(FP32_PARAMS) else dtype)
+        fresh = {}  # layer -> its indexer tensors missing from the checkpoint
         for name in expected:
             if name not in loaded:
                 if ".indexer." not in name:
                     raise ValueError(f"{path}: checkpoint is missing tensor {name}")
-                fresh.append(name)
+                fresh.setdefault(_layer_of(name), []).append(name)
+        for layer, names in fresh.items():  # an indexer is loaded whole or initialised whole
+            if len(names) != sum(".indexer." in n and _layer_of(n) == layer for n in expected):
+                raise ValueError(f"{path}: checkpoint is missing tensor {names[0]} (it has the rest of layer "
+                                 f"{layer}'s indexer)")
         model.to_empty(device=device or "cpu")
-        model.to(dtype)
+        model.cast_(dtype)
         state = {our_name(n): t for n, t in loaded.items()}
         model.load_state_dict(state, strict=False, assign=False)
+        for layer in sorted(fresh):
+            model.layers[layer].self_attn.indexer.apply(init_weights)
         if fresh:
-            for layer in model.layers:
-                if layer.self_attn.indexer is not None:
-                    layer.self_attn.indexer.apply(init_weights)
-            print(f"[model] {path}: no indexer weights in the checkpoint; initialised {len(fresh)} indexer "
-                  f"tensors fresh (train them with the DSA warm-up before using sparse attention)")
+            print(f"[model] {path}: no indexer weights for layer(s) {_ranges(fresh)} in the checkpoint; initialised "
+                  "them fresh (train them with the DSA warm-up before using sparse attention)")
+        if dropped:
+            print(f"[model] {path}: ignored the checkpoint's indexer weights of layer(s) {_ranges(dropped)} "
+                  f"({'dense attention' if cfg.dsa is None else 'S layers in pattern ' + cfg.dsa.pattern})")
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         return model
+
+    def cast_(self, dtype):
+        """Every weight to dtype but dsa.FP32_PARAMS, which stay fp32 (generator copies in bf16)."""
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if name.endswith(FP32_PARAMS):
+                p.data = p.data.float()
+        return self
 
     def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
         """Write config.json + safetensors (sharded with an index above max_shard_bytes) into a temp
@@ -477,6 +509,23 @@ def hf_name(name: str) -> str:
 
 def our_name(name: str) -> str:
     return name if name.startswith("lm_head.") else name.removeprefix("model.")
+
+
+def _layer_of(name: str) -> int:
+    """'model.layers.12.self_attn...' -> 12."""
+    return int(name.split("layers.")[1].split(".")[0])
+
+
+def _ranges(layers) -> str:
+    """{0, 1, 2, 5} -> '0-2, 5'."""
+    out, run = [], []
+    for i in sorted(layers):
+        if run and i != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
 
 
 def describe(cfg: GLMConfig) -> str:
@@ -590,13 +639,14 @@ class MemoryPlan:
 def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad):
     """Bytes of dsa.py's largest chunked block (c queries at a time, c from CHUNK/GATHER_ELEMENTS):
     select_topk's scores [B, c, H_I, Tk] fp32 and their ReLU, or sparse_attention's gathered keys and
-    values [B, Hkv, c, K, D] bf16 (GPU chunk size) and probabilities [B, Hkv, c, G, K] fp32 x2. With grad,
-    a chunk is recomputed in backward and its gradients join it."""
+    values [B, Hkv, c, K, D] bf16 (GPU chunk size), their fp32 copies (logits and the weighted sum are fp32)
+    and the logits and probabilities [B, Hkv, c, G, K] fp32. With grad, a chunk is recomputed in backward
+    and its gradients join it."""
     K, per_q = min(cfg.dsa.topk, Tk), B * cfg.dsa.heads * Tk
     scores = min(Tq, max(1, dsa.CHUNK_ELEMENTS // per_q)) * per_q * 4 * 2  # a chunk is at most all Tq queries
     per_q = B * K * cfg.num_kv_heads * cfg.head_dim
-    c = min(Tq, max(1, dsa.GATHER_ELEMENTS * 64 // per_q))
-    return max(scores, (2 * 2 * c * per_q + 2 * 4 * c * B * K * cfg.num_heads) * (2 if grad else 1))
+    c = min(Tq, max(1, dsa.GATHER_ELEMENTS * dsa.GATHER_GPU_FACTOR // per_q))
+    return max(scores, ((2 + 4) * 2 * c * per_q + 2 * 4 * c * B * K * cfg.num_heads) * (2 if grad else 1))
 
 
 def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
@@ -617,19 +667,21 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
 
     P = count(lambda n: True)
     Pt = P - (0 if trainable_indexer else count(lambda n: ".indexer." in n))  # RL keeps the indexer frozen
+    P32 = count(lambda n: n.endswith(FP32_PARAMS))  # small indexer tensors every copy keeps in fp32
     root = count(lambda n: not n.startswith("layers."))  # embed_tokens, norm, lm_head
-    layer = max(count(lambda n: n.startswith(f"layers.{i}.")) for i in range(cfg.num_layers))  # an F layer if DSA
+    # bf16 bytes of one decoder layer as FSDP gathers it (an F layer if DSA: its indexer is gathered in fp32)
+    layer = max(2 * count(lambda n: n.startswith(f"layers.{i}.")) + 2 * count(lambda n: n.startswith(f"layers.{i}.self_attn.indexer."))
+                for i in range(cfg.num_layers))
     L, N, T, h, I = cfg.num_layers, learner_gpus, micro_batch_tokens, cfg.hidden_size, cfg.intermediate_size
     HD, KD, V, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size, cfg.num_heads
     n_F = cfg.dsa.layer_kinds(L).count("F") if cfg.dsa else 0
 
-    # Learner activations of one packed row of T tokens. FSDP computes with bf16 weights, so the residual
-    # stream is bf16 (a = 2 bytes); DDP keeps fp32 weights under autocast, so embeddings, norms and the
-    # residual stay fp32 (a = 4) and each matmul casts its input. Matches a CPU measurement within ~20%.
-    a = 2 if parallel == "fsdp" else 4
+    # Learner activations of one packed row of T tokens. The residual stream is bf16 (a = 2 bytes) under
+    # FSDP (bf16 weights) and DDP alike (model.GLM.forward casts it to autocast's dtype).
+    a = 2
     block = T * (4 * (4 + 2 * a) * h  # 4 RMSNorms: fp32 copy of the input, normalised, output [T, h]
-                 + (0 if a == 2 else 4 * 2 * h)  # DDP: bf16 casts of the normed input for q, k, v, gate_up
                  + 2 * 2 * (HD + KD) + 2 * KD  # q [T, H*D], k [T, Hkv*D] before and after RoPE; v [T, Hkv*D]
+                 + 2 * 2 * HD  # masked SDPA: k and v expanded to H heads (memory-efficient kernel, no scores)
                  + 2 * HD + 4 * H  # attention output [T, H*D] bf16, its log-sum-exp [H, T] fp32
                  + 2 * (2 * I + I + I)  # gate_up [T, 2I], silu(gate) [T, I], act = silu(gate) * up [T, I]
                  + a * h) + 3 * T * T  # residual after attention [T, h]; packed-row mask [T, T] bool + bf16 bias
@@ -652,9 +704,9 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                    (f"AdamW exp_avg + exp_avg_sq fp32 (1/{N})", 8 * Pt // N)]
         learner += [(f"reference model fp32 (1/{N})", 4 * P // N)] if reference else []
         learner += [("bf16 root (embed, norm, lm_head), gathered all step", 2 * root),
-                    ("bf16 decoder layers gathered: current + prefetched", 2 * 2 * layer),
+                    ("bf16 decoder layers gathered: current + prefetched", 2 * layer),
                     ("bf16 root grads (lm_head's from the first chunk on)", 2 * root)]
-        one_block = (one_block[0] + " (+ layer's bf16/fp32)", one_block[1] + 6 * layer)
+        one_block = (one_block[0] + " (+ layer's bf16/fp32)", one_block[1] + 3 * layer)
         transients = [logits, one_block, ("root grads' fp32 reduce-scatter copy", 4 * root),
                       ("publishing: one gathered bf16 tensor", 2 * max(p.numel() for p in named.values()))]
     else:  # DDP: full replicas; autocast caches the bf16 cast of every weight a matmul uses until it exits
@@ -670,16 +722,17 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     name, peak = max(transients, key=lambda t: t[1])
     learner += [(f"largest transient: {name}", peak), ("CUDA context, NCCL, fragmentation", OVERHEAD)]
 
-    # Generator: our engine holds bf16 weights, a KVCache of B x S slots per layer (keys and values
-    # [B, S, Hkv, D], indexer keys [B, S, d_I] on F layers, key_mask [B, S] bool) and prefills B x Pn at once.
+    # Generator: our engine holds bf16 weights (dsa.FP32_PARAMS in fp32), one KVCache of B x S slots per layer
+    # (keys and values [B, S, Hkv, D], indexer keys [B, S, d_I] on F layers, key_mask [B, S] bool) and prefills
+    # B x Pn at once. Rollout and eval share that one cache: the engine runs one batch at a time (rollout.py).
     B, S, Pn = generator_batch, generator_max_len, prompt_len
     kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0)) + 1
     if engine == "sglang":
-        generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P)]
+        generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P + 2 * P32)]
     else:
         M = B * Pn  # prefill tokens, no grad, everything bf16 but RMSNorm's internals
         prefill = M * (2 * h + max(2 * (h + 4 * I),  # residual [M, h] + normed input, gate_up [M, 2I], silu, act
-                                   2 * (h + 2 * (HD + 2 * KD) + HD),  # or q, k, v before and after RoPE, output
+                                   2 * (h + 2 * (HD + 2 * KD) + 2 * HD + HD),  # or q, k, v, RoPE, k/v expanded, out
                                    3 * 4 * h)) + 5 * B * Pn * Pn  # or RMSNorm's fp32 temps; masks [B, P, P]
         decode = int(4.5 * B * V * 4)  # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp
         if cfg.dsa is not None and cfg.dsa.topk < Pn:
@@ -689,7 +742,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         name, peak = max([("prefill of batch x prompt tokens", prefill), ("one decode step's logits (and DSA scores)", decode),
                           # keep() drops finished rows one layer at a time: one layer's keys copied
                           ("KVCache.keep: one layer's keys, copied", B * S * KD * 2)], key=lambda t: t[1])
-        generator = [("bf16 weights", 2 * P), (f"KV cache bf16, {B} x {S} slots", B * S * kv_token),
+        generator = [("bf16 weights (indexer weights_proj, k_norm fp32)", 2 * P + 2 * P32),
+                     (f"KV cache bf16, {B} x {S} slots (rollout and eval, one at a time)", B * S * kv_token),
                      (f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
     settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
                     reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,

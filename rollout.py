@@ -48,6 +48,8 @@ MAX_SAMPLING_ROUNDS = 4
 @dataclass
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
+    # Nucleus sampling, for eval and tools. RL rollouts keep 1.0: the logprobs are of the full tempered
+    # distribution, which is what the learner recomputes; a truncated sampler would not match them.
     top_p: float = 1.0
     max_new_tokens: int = 256
     stop_token_ids: tuple = ()
@@ -65,8 +67,17 @@ class Completion:
 
 def sample_tokens(logits, sampling: SamplingParams, generator=None):
     """logits [B, V] -> tokens [B], logprobs [B]. The logprob is of the full temperature-scaled
-    distribution (before top-p truncation), which is what the learner recomputes."""
+    distribution (before top-p truncation), which is what the learner recomputes. A row whose logits are
+    not finite (weights blown up) gets logprob NaN, for the caller to report on its next host sync,
+    instead of a multinomial crash in the middle of the batch."""
     logits = logits.float()
+    finite = torch.isfinite(logits).all(-1, keepdim=True)  # [B, 1]
+    logits = torch.where(finite, logits, 0.0)
+    tokens, logp = _sample(logits, sampling, generator)
+    return tokens, torch.where(finite[:, 0], logp, float("nan"))
+
+
+def _sample(logits, sampling, generator):
     if sampling.temperature == 0:
         tokens = logits.argmax(-1)
         return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
@@ -84,13 +95,16 @@ class TorchEngine:
     """Batched generation on our own model: left-padded prefill into a KV cache, then one token per
     step for every unfinished row (finished rows are dropped from the cache). A lock is held around
     each forward, so update_weights from another thread lands between two decode steps.
+    One batch (one KV cache) exists at a time: the generator thread's rollouts and the learner thread's
+    eval take turns batch by batch, so the GPU never holds two caches that the memory plan did not count.
     The engine owns its model: it is put in eval mode and frozen, so never hand it the learner's."""
 
     def __init__(self, model: GLM, max_batch: int = 64, partial_rollout: bool = True):
         self.model = model.eval().requires_grad_(False)
         self.max_batch, self.partial_rollout = max_batch, partial_rollout
         self.version = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held for one forward or one weight update
+        self.batch_lock = threading.Lock()  # held for a whole batch: its KV cache is the only one
         self._abort = threading.Event()
         self._params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
@@ -103,7 +117,9 @@ class TorchEngine:
         out = [None] * len(prompts)
         for b in range(0, len(order), self.max_batch):
             rows = order[b:b + self.max_batch]
-            for i, c in zip(rows, self._generate_batch([prompts[i] for i in rows], sampling, gen)):
+            with self.batch_lock:
+                done = self._generate_batch([prompts[i] for i in rows], sampling, gen)
+            for i, c in zip(rows, done):
                 out[i] = c
         return out
 
@@ -135,6 +151,9 @@ class TorchEngine:
             tok, lp = sample_tokens(logits, sampling, gen)
             done = torch.isin(tok, stop) if len(stop) else torch.zeros_like(tok, dtype=torch.bool)
             for r, t, l in zip(alive.tolist(), tok.tolist(), lp.tolist()):
+                if l != l:  # NaN: this row's logits were not finite
+                    raise FloatingPointError(f"generator: non-finite logits at weight version {version} "
+                                             "(the published weights have blown up)")
                 tokens[r].append(t)
                 logps[r].append(l)
                 versions[r][0], versions[r][1] = min(versions[r][0], version), max(versions[r][1], version)
@@ -415,9 +434,12 @@ class Generator:
             self.gate.notify_all()
 
     def get(self, timeout: float | None = None) -> RolloutBatch:
-        """The next batch; re-raises at once if the generator thread failed."""
+        """The next batch; re-raises at once if the generator thread failed (a FloatingPointError as it
+        is: a one-line diagnosis, not a bug)."""
         deadline = None if timeout is None else time.perf_counter() + timeout
         while True:
+            if isinstance(self.error, FloatingPointError):
+                raise self.error
             if self.error is not None:
                 raise RuntimeError("the generator thread failed (see the error above)") from self.error
             try:

@@ -39,6 +39,7 @@ import datetime
 import difflib
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -63,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
 import grpo
+from grpo import GRPOConfig
 from model import GLM, GLMConfig, memory_plan
 from rollout import Generator, SamplingParams, SGLangEngine, TorchEngine, evaluate
 
@@ -99,7 +101,6 @@ class RolloutConfig:
     prompts_per_step: int = 32
     n: int = 8
     temperature: float = 1.0
-    top_p: float = 1.0
     max_new_tokens: int = 8192
     max_prompt_tokens: int = 1024
     chat_template: bool = True
@@ -112,30 +113,12 @@ class RolloutConfig:
 
 
 @dataclass
-class GRPOConfig:
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = None
-    agg: str = "seq-mean-token-mean"
-    std_normalize: bool = True
-    old_logp: str = "recompute"  # or "generator"
-    tis_cap: float | None = None
-    icepop_beta: float | None = 2.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    kl_guard: bool = False
-    kl_guard_threshold: float = 0.15
-    kl_guard_factor: float = 0.6
-    kl_guard_window: int = 10
-
-
-@dataclass
 class OptimConfig:
     lr: float = 1e-6
     betas: list = field(default_factory=lambda: [0.9, 0.98])
     weight_decay: float = 0.1
     grad_clip: float = 1.0
+    max_skipped_steps: int = 5  # stop after this many consecutive steps with a non-finite loss or gradient
     max_tokens_per_micro_batch: int = 4608
     warmup_steps: int = 0  # linear lr warm-up at the start of every stage
     sft_lr: float = 1e-5
@@ -174,6 +157,15 @@ class Config:
 
 class ConfigError(ValueError):
     pass
+
+
+# Keys that existed once, and why they are gone: an old config gets this instead of "unknown key".
+REMOVED = {
+    "grpo.old_logp": "pi_old is now the learner's own forward (pi_prox), free with one optimizer step per "
+                     "batch, and the clip is held against the sampler (README, 'The objective')",
+    "rollout.top_p": "RL samples from the full tempered distribution, the one the learner's logprobs are of; "
+                     "a truncated sampler would be a silent mismatch",
+}
 
 
 def config_keys(cls=Config, prefix=""):
@@ -217,6 +209,8 @@ def _from_dict(cls, d, where, prefix=""):
     hints, kwargs = typing.get_type_hints(cls), {}
     for key, value in d.items():
         if key not in hints:
+            if prefix + key in REMOVED:
+                raise ConfigError(f"{where}: {prefix + key} was removed: {REMOVED[prefix + key]}")
             raise _unknown(where, prefix + key, config_keys())
         sub = hints[key]
         kwargs[key] = (_from_dict(sub, value or {}, where, f"{prefix}{key}.") if is_dataclass(sub)
@@ -267,7 +261,6 @@ def check_config(cfg: Config, where):
         raise ConfigError(f"{where}: model: {e}") from None
     r, g, o, t = cfg.rollout, cfg.grpo, cfg.optim, cfg.train
     need(r.temperature > 0, "rollout.temperature must be > 0 (the learner divides logits by it)")
-    need(0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]")
     need(min(r.prompts_per_step, r.n, r.max_new_tokens, r.max_prompt_tokens, r.max_batch) >= 1,
          "rollout.prompts_per_step, n, max_new_tokens, max_prompt_tokens and max_batch must be >= 1")
     need(r.max_staleness >= 0, "rollout.max_staleness must be >= 0")
@@ -275,7 +268,9 @@ def check_config(cfg: Config, where):
     need(0 < r.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction must be in (0, 1)")
     need(g.agg in grpo.AGG_MODES, f"grpo.agg must be one of {grpo.AGG_MODES}, got {g.agg!r}")
     need(g.kl_estimator in grpo.KL_ESTIMATORS, f"grpo.kl_estimator must be one of {grpo.KL_ESTIMATORS}")
-    need(g.old_logp in ("recompute", "generator"), f"grpo.old_logp must be recompute or generator, got {g.old_logp!r}")
+    need(g.tis_cap is None or g.tis_cap > 0, "grpo.tis_cap must be > 0 (or null)")
+    need(g.icepop_beta is None or g.icepop_beta > 1, "grpo.icepop_beta must be > 1 (or null): the band is [1/beta, beta]")
+    need(o.max_skipped_steps >= 1, "optim.max_skipped_steps must be >= 1")
     need(len(o.betas) == 2 and all(isinstance(b, (int, float)) for b in o.betas), "optim.betas must be [beta1, beta2]")
     need(o.max_tokens_per_micro_batch >= 1, "optim.max_tokens_per_micro_batch must be >= 1")
     need(min(t.dsa_warmup_steps, t.sft_steps, t.rl_steps, t.eval_every) >= 0, "train step counts must be >= 0")
@@ -439,7 +434,10 @@ def parallel_learner(cfg: Config, model, device):
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
               else MixedPrecisionPolicy())
         mesh = init_device_mesh(device.type, (world(),))
+        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # gathered as stored: fp32
         for layer in model.layers:
+            if layer.self_attn.indexer is not None:  # its own unit, so dsa.FP32_PARAMS arrive in fp32
+                fully_shard(layer.self_attn.indexer, mesh=mesh, mp_policy=fp32)
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm and lm_head
     return model
@@ -471,6 +469,62 @@ def grad_sync(model, last):
 def clip_grad_norm(params, max_norm):
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+# A NaN or inf loss or gradient must never reach the weights: AdamW would write NaN into every weight it
+# touches, the generator would sample from them and a checkpoint would keep them. Such a step is skipped
+# whole (its gradients dropped, the optimizer state untouched) on every rank alike: the loss and the
+# gradient norm it is judged on are global numbers. A few in a row stop the run with one line.
+
+
+def finite_step(optimizer, loss, grad_norm) -> bool:
+    """False (and the gradients dropped) when the step's global loss or gradient norm is not finite."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return True
+    optimizer.zero_grad(set_to_none=True)
+    return False
+
+
+def optimizer_step(optimizer, model, lr):
+    """optimizer.step at this lr; then the trained weights must still be finite (one host sync), or nothing
+    downstream (generator, checkpoint) may see them."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    named = [(n, p.to_local() if hasattr(p, "to_local") else p)  # FSDP: each rank checks its own shards
+             for n, p in unwrap(model).named_parameters() if p.requires_grad]
+    ok = bool(torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).all()) if named else True
+    if not all(all_gather(ok)):
+        bad = next((n for n, p in named if not torch.isfinite(p.detach()).all()), "a weight shard on another rank")
+        raise FloatingPointError(f"the optimizer step at lr {lr:g} made {bad} non-finite; nothing was published or saved")
+
+
+@dataclass
+class Skips:
+    """Steps skipped for a non-finite loss or gradient norm: in a row (`run`) and in this stage (`total`)."""
+    limit: int
+    total: int = 0
+    run: int = 0
+
+    @classmethod
+    def resumed(cls, cfg, resume, stage):
+        total, run = resume.get("skipped", (0, 0)) if resume is not None and resume["stage"] == stage else (0, 0)
+        return cls(cfg.optim.max_skipped_steps, total, run)
+
+    def state(self):
+        return (self.total, self.run)
+
+    def update(self, stage, step, metrics):
+        if not metrics.get("train/skipped"):
+            self.run = 0
+            return
+        self.total, self.run = self.total + 1, self.run + 1
+        if self.run >= self.limit:
+            what = ", ".join(f"{k.removeprefix('train/')} {metrics[k]}" for k in ("train/loss", "train/grad_norm")
+                             if k in metrics and not math.isfinite(metrics[k])) or "the loss or gradient"
+            raise FloatingPointError(f"{stage} step {step}: {what} for {self.run} steps in a row (optim.max_skipped_steps: "
+                                     f"{self.limit}); the skipped steps changed no weights. Lower the learning rate?")
 
 
 def full_weights(model, dtype=None):
@@ -564,6 +618,7 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log):
         stream.load_state_dict(resume["ranks"][rank()]["stream"])
     indexer_loss = "dense" if indexer_only else ("sparse" if model.cfg.dsa else None)
     device = model.lm_head.weight.device
+    skips = Skips.resumed(cfg, resume, stage)
     bar = tqdm(total=steps, initial=step, desc=stage, dynamic_ncols=True, disable=rank() != 0)
     while step < steps:
         t0 = time.perf_counter()
@@ -587,21 +642,24 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log):
                 nll_sum, kl_sum = nll_sum + float(nll.detach()), kl_sum + float(kl.detach())
         nll_sum, kl_sum = map(sum, zip(*all_gather((nll_sum, kl_sum))))
         grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, lr, step)
-        optimizer.step()
+        row = {"train/grad_norm": grad_norm, "train/lr": lr_at(cfg, lr, step), "train/skipped": 0.0}
+        if finite_step(optimizer, nll_sum + kl_sum, grad_norm):
+            optimizer_step(optimizer, model, lr_at(cfg, lr, step))
+        else:
+            row["train/skipped"] = 1.0
         step += 1
-        row = {"train/grad_norm": grad_norm, "train/lr": lr_at(cfg, lr, step - 1), "perf/step_s": time.perf_counter() - t0,
-               "perf/tokens_per_s": n_all / (time.perf_counter() - t0)}
+        row |= {"perf/step_s": time.perf_counter() - t0, "perf/tokens_per_s": n_all / (time.perf_counter() - t0)}
         if not indexer_only:
             row["train/loss"] = nll_sum
         if indexer_loss is not None:
             row["train/indexer_kl"] = kl_sum
+        skips.update(stage, step, row | {"train/loss": nll_sum + kl_sum})
+        row["train/skipped_steps"] = skips.total
         log.write(stage, step, row)
         bar.update(1)
         bar.set_postfix(loss=f"{kl_sum if indexer_only else nll_sum:.3g}")  # the indexer KL can be ~1e-4
         if step % cfg.train.save_every == 0 or step == steps:
-            save_checkpoint(cfg, learner, tokenizer, stage, step, optimizer, stream.state_dict())
+            save_checkpoint(cfg, learner, tokenizer, stage, step, optimizer, stream.state_dict(), skipped=skips.state())
     bar.close()
     for p in model.parameters():
         p.requires_grad_(True)
@@ -631,33 +689,24 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     rows = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in samples]
     micro = even_micro_batches(data.pack_by_tokens([len(seq) for seq, _ in rows], cfg.optim.max_tokens_per_micro_batch))
     gen_logp = [torch.tensor(s.gen_logprobs, device=device) for s in samples]
-    old_logp, ref_logp = list(gen_logp), None
-
-    def logprobs_of(net, mb):  # no-grad logprobs of micro-batch mb (a dummy forward for None)
-        out = packed_forward(net, [rows[i] for i in mb] if mb is not None else dummy_rows(net), cfg.rollout.temperature)[0]
-        return zip(mb or [], out)
-
-    with torch.no_grad(), autocast(device):  # pi_old (the trust region's centre) and pi_ref, before any update
-        if g.old_logp == "recompute":
+    ref_logp = None
+    if ref_model is not None:  # pi_ref, no grad, before the update
+        ref_logp = [None] * len(samples)
+        with torch.no_grad(), autocast(device):
             for mb in micro:
-                for i, lp in logprobs_of(model, mb):
-                    old_logp[i] = lp
-        if ref_model is not None:
-            ref_logp = [None] * len(samples)
-            for mb in micro:
-                for i, lp in logprobs_of(ref_model, mb):
+                out = packed_forward(ref_model, [rows[i] for i in mb] if mb is not None else dummy_rows(ref_model),
+                                     cfg.rollout.temperature)[0]
+                for i, lp in zip(mb or [], out):
                     ref_logp[i] = lp
-    if g.old_logp == "recompute" and samples:  # how far the generator's policy was from the learner's
-        diff = torch.cat([(o - gl).abs() for o, gl in zip(old_logp, gen_logp)])
-        metrics |= {"train/logp_diff_max": float(diff.max()), "train/logp_diff_mean": float(diff.mean())}
 
     # Micro-batch losses are partial sums over one global denominator (all ranks' micro-batches), so
-    # gradients add up to the gradient of the whole batch's loss.
+    # gradients add up to the gradient of the whole batch's loss. pi_prox, the policy at the step's start,
+    # is the training forward itself (policy_loss detaches it): one optimizer step per batch.
     masks = [pad([torch.ones(len(rows[i][0]) - rows[i][1], dtype=torch.bool) for i in mb]).to(device)
              if mb is not None else None for mb in micro]
     loss_scale = sum(all_gather(sum(float(grpo.loss_denominator(m, g.agg)) for m in masks if m is not None)))
     optimizer.zero_grad(set_to_none=True)
-    sums, n_tokens = {}, 0
+    sums, n_tokens, gaps = {}, 0, []
     for k, (mb, mask) in enumerate(zip(micro, masks)):
         with grad_sync(model, k == len(micro) - 1), autocast(device):
             if mb is None:  # keeps this rank in step with the others; contributes nothing
@@ -665,32 +714,34 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
                 (logp[0].sum() * 0.0).backward()
                 continue
             logp, ent, _ = packed_forward(model, [rows[i] for i in mb], cfg.rollout.temperature)
-            loss, m = grpo.policy_loss(
-                pad(logp), pad(old_logp[i] for i in mb), adv[mb].to(device), mask, eps_low=g.eps_low,
-                eps_high=g.eps_high, agg=g.agg, dual_clip=g.dual_clip, gen_logp=pad(gen_logp[i] for i in mb),
-                tis_cap=g.tis_cap, icepop_beta=g.icepop_beta, ref_logp=None if ref_logp is None else pad(ref_logp[i] for i in mb),
-                kl_coef=g.kl_coef, kl_estimator=g.kl_estimator, entropy=pad(ent), entropy_coef=g.entropy_coef,
-                loss_scale=loss_scale)
+            loss, m = grpo.policy_loss(pad(logp), pad(gen_logp[i] for i in mb), adv[mb].to(device), mask, g,
+                                       ref_logp=None if ref_logp is None else pad(ref_logp[i] for i in mb),
+                                       entropy=pad(ent), loss_scale=loss_scale)
             (loss * world()).backward()  # world(): undo the mean over ranks of the gradient reduction
+        gaps += [(lp.detach() - gen_logp[i]).abs() for i, lp in zip(mb, logp)]  # learner vs generator, per token
         n = int(mask.sum())  # pg_loss adds up over micro-batches; the other metrics are token means
         for name, v in m.items():
             sums[name] = sums.get(name, 0.0) + (v if name == "pg_loss" else v * n)
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
         n_tokens += n
-    parts = all_gather((sums, n_tokens))  # global sums: the KL guard below must see the same KL on every rank
-    n_tokens = sum(n for _, n in parts)
-    for name in dict.fromkeys(k for p, _ in parts for k in p):
-        v = sum(p.get(name, 0.0) for p, _ in parts)
+    gap = torch.cat(gaps) if gaps else torch.zeros(0)
+    sums["logp_diff_mean"] = float(gap.sum())  # the health signal of the train/inference gap (and staleness)
+    parts = all_gather((sums, n_tokens, float(gap.max()) if len(gap) else 0.0))  # global: every rank decides alike
+    n_tokens = sum(n for _, n, _ in parts)
+    for name in dict.fromkeys(k for p, _, _ in parts for k in p):
+        v = sum(p.get(name, 0.0) for p, _, _ in parts)
         metrics[f"train/{name}"] = v if name in ("pg_loss", "loss") else v / max(1, n_tokens)
+    metrics["train/logp_diff_max"] = max(d for _, _, d in parts)
 
     params = [p for p in model.parameters() if p.requires_grad]
-    metrics["train/grad_norm"] = clip_grad_norm(params, cfg.optim.grad_clip)
+    grad_norm = clip_grad_norm(params, cfg.optim.grad_clip)
+    metrics |= {"train/grad_norm": grad_norm, "train/tokens": sum(len(seq) for seq, _ in rows)}
+    if not finite_step(optimizer, metrics["train/loss"], grad_norm):
+        return metrics | {"train/skipped": 1.0}
     scale = guard.update(metrics["train/kl"]) if ref_model is not None else 1.0  # KL guard: brake the lr
     lr = lr_at(cfg, cfg.optim.lr, version) * scale
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    metrics |= {"train/lr": lr, "train/tokens": sum(len(seq) for seq, _ in rows)}
+    optimizer_step(optimizer, model, lr)
+    metrics |= {"train/lr": lr, "train/skipped": 0.0}
     if ref_model is not None:
         metrics |= {"kl_guard/scale": scale, "kl_guard/fired": float(guard.fired), "kl_guard/kl_mean": guard.window_mean}
     return metrics
@@ -699,7 +750,7 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
 def run_eval(cfg: Config, engine, tokenizer, examples, stop_ids):
     """Each rank evaluates every world()-th example on its own engine. Accuracy and pass@k are means
     over prompts, so the prompt-weighted mean of the ranks' numbers is that of the whole set."""
-    sampling = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_p, cfg.train.eval_max_new_tokens, stop_ids)
+    sampling = SamplingParams(cfg.rollout.temperature, max_new_tokens=cfg.train.eval_max_new_tokens, stop_token_ids=stop_ids)
     mine = examples[rank()::world()]
     m = evaluate(engine, mine, tokenizer, n=cfg.train.eval_n, sampling=sampling, seed=cfg.seed,
                  chat_template=cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens) if mine else {}
@@ -743,7 +794,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, e
     if r.prompts_per_step % world():
         raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must divide evenly over {world()} processes")
     stop_ids = tuple(sorted(set(model.cfg.eos_token_id) | {tokenizer.eos_token_id}))
-    sampling = SamplingParams(r.temperature, r.top_p, r.max_new_tokens, stop_ids)
+    sampling = SamplingParams(r.temperature, max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     for name, p in model.named_parameters():
         p.requires_grad_(".indexer." not in name)  # GLM-5 keeps the indexer frozen during RL
     learner = parallel_learner(cfg, model, model.lm_head.weight.device)  # FSDP swaps in sharded parameters
@@ -751,7 +802,8 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, e
                                   betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     guard = grpo.KLGuard(cfg.grpo.kl_guard_threshold, cfg.grpo.kl_guard_factor, cfg.grpo.kl_guard_window, cfg.grpo.kl_guard)
     stream = data.PromptStream(train_examples[rank()::world()], seed=cfg.seed)  # groups never cross processes
-    version = 0  # optimizer steps done in RL = the weight version the learner holds
+    skips = Skips.resumed(cfg, resume, "rl")
+    version = 0  # RL steps done = the weight version the learner holds (a skipped step keeps the weights)
     if resume is not None and resume["stage"] == "rl":
         version = resume["step"]
         set_optimizer_state_dict(learner, optimizer, resume["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -780,8 +832,11 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, e
             stream_state = batch.stream_state
             m = rl_step(cfg, learner, ref_model, optimizer, guard, batch, version)
             version += 1
+            skips.update("rl", version, m)
+            m["train/skipped_steps"] = skips.total
             t1 = time.perf_counter()
-            gen.publish(full_weights(learner, gen_dtype), version)  # FSDP: gathered tensor by tensor
+            # FSDP: gathered tensor by tensor. A skipped step publishes no weights, only the version number.
+            gen.publish(() if m.get("train/skipped") else full_weights(learner, gen_dtype), version)
             publish = time.perf_counter() - t1
             step_s = time.perf_counter() - t0
             m |= batch.metrics | {"perf/learner_wait_s": wait, "perf/step_s": step_s, "perf/publish_s": publish,
@@ -796,7 +851,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, e
             bar.set_postfix(reward=f"{m['rollout/reward']:.2f}", acc=f"{accuracy:.2f}",
                             tok_s=f"{m['perf/tokens_per_s']:.0f}")
             if version % t.save_every == 0 or version == t.rl_steps:
-                save_checkpoint(cfg, learner, tokenizer, "rl", version, optimizer, stream_state, guard)
+                save_checkpoint(cfg, learner, tokenizer, "rl", version, optimizer, stream_state, guard, skips.state())
     finally:
         gen.stop()  # also on Ctrl-C or an error: the thread must not outlive the loop
         bar.close()
@@ -840,7 +895,7 @@ def set_rng_state(rng):
         torch.cuda.set_rng_state_all(rng["cuda"])
 
 
-def save_checkpoint(cfg: Config, model, tokenizer, stage, step, optimizer, stream_state, guard=None):
+def save_checkpoint(cfg: Config, model, tokenizer, stage, step, optimizer, stream_state, guard=None, skipped=(0, 0)):
     """run_dir/checkpoints/step_XXXXXX/: an HF model directory plus state.pt, everything needed to
     continue exactly: which stage and step, optimizer, KL guard, and each rank's data position and RNGs.
     Every rank takes part (FSDP gathers the full weights and optimizer state onto rank 0, in CPU memory);
@@ -848,7 +903,7 @@ def save_checkpoint(cfg: Config, model, tokenizer, stage, step, optimizer, strea
     optim = get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0)
     ranks = all_gather({"stream": stream_state, "rng": rng_state()})
     gs = global_step(cfg, stage, step)
-    state = {"stage": stage, "step": step, "global_step": gs, "optimizer": optim,
+    state = {"stage": stage, "step": step, "global_step": gs, "optimizer": optim, "skipped": skipped,
              "kl_guard": guard.state_dict() if guard else None, "config": asdict(cfg), "ranks": ranks}
     root = os.path.join(cfg.run_dir, "checkpoints")
     save_full(model, tokenizer, os.path.join(root, f"step_{gs:06d}"), state)
@@ -1072,7 +1127,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:
+    except (ConfigError, FloatingPointError) as e:  # a bad setting, or a run that blew up: one line, no traceback
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
         args = " ".join(a for a in sys.argv[1:] if a != "--resume")

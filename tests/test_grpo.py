@@ -59,9 +59,16 @@ def make_batch(B=5, T=7, seed=0, spread=0.4):
     return logp, old, adv, mask
 
 
-def run(logp, *args, **kw):
+def cfg(**kw):
+    """A GRPOConfig with no off-policy correction unless asked for (the dataclass default is IcePop 2)."""
+    return grpo.GRPOConfig(**({"icepop_beta": None} | kw))
+
+
+def run(logp, gen, adv, mask, prox_logp=None, ref_logp=None, entropy=None, loss_scale=None, **kw):
+    """policy_loss with cfg(**kw); the hand references call gen_logp "old": PPO's pi_old is the sampler."""
     logp = logp.clone().requires_grad_(True)
-    loss, metrics = grpo.policy_loss(logp, *args, **kw)
+    loss, metrics = grpo.policy_loss(logp, gen, adv, mask, cfg(**kw), prox_logp=prox_logp, ref_logp=ref_logp,
+                                     entropy=entropy, loss_scale=loss_scale)
     loss.backward()
     return loss.item(), logp.grad, metrics
 
@@ -138,7 +145,8 @@ def test_clipping_zero_grad_on_clipped_tokens():
     assert_close(loss, (-1.28 - 0.5 - 1.1 + 1.5 + 0.8 + 1.1) / 6)
     assert m["clip_frac_high"] == pytest.approx(1 / 6) and m["clip_frac_low"] == pytest.approx(1 / 6)
     assert m["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.1) * 2 / 6)
-    assert m["approx_kl"] == pytest.approx(2 * sum(1 / r + math.log(r) - 1 for r in (1.5, 0.5, 1.1)) / 6)
+    # pi_prox = pi_theta here: the mismatch is KL(pi_gen || pi_theta), k3 = r - log r - 1
+    assert m["mismatch_k3"] == pytest.approx(2 * sum(r - math.log(r) - 1 for r in (1.5, 0.5, 1.1)) / 6)
 
 
 def test_dual_clip():
@@ -156,7 +164,7 @@ def test_dual_clip():
     assert_close(loss2, ref)
     assert_close(grad2, ref_grad)
     with pytest.raises(ValueError):
-        grpo.policy_loss(logp, old, adv, mask, dual_clip=1.0)
+        grpo.policy_loss(logp, old, adv, mask, cfg(dual_clip=1.0))
 
 
 @pytest.mark.parametrize("agg", MODES)
@@ -169,13 +177,13 @@ def test_on_policy_is_plain_policy_gradient(agg):
         for t in range(mask.shape[1]):
             expect = 0.0 if not mask[i, t] else -adv[i].item() / (D * (n[i] if agg == "seq-mean-token-mean" else 1))
             assert grad[i, t].item() == pytest.approx(expect, abs=1e-12)
-    assert m["ratio_mean"] == 1.0 and m["clip_frac_low"] == 0 and m["clip_frac_high"] == 0 and m["approx_kl"] == 0
+    assert m["ratio_mean"] == 1.0 and m["clip_frac_low"] == 0 and m["clip_frac_high"] == 0 and m["mismatch_k3"] == 0
 
 
 def test_bad_agg_name_raises():
     logp, old, adv, mask = make_batch()
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
-        grpo.policy_loss(logp, old, adv, mask, agg="seq-mean")
+        grpo.policy_loss(logp, old, adv, mask, cfg(agg="seq-mean"))
     with pytest.raises(ValueError):
         grpo.loss_denominator(mask, "mean")
 
@@ -183,41 +191,76 @@ def test_bad_agg_name_raises():
 # --- off-policy corrections -----------------------------------------------------------------
 
 def test_tis_weights_and_cap():
-    logp, old, adv, mask = make_batch(seed=2)
-    gen = old + torch.tensor([[-1.0, 0.5, 0.2, -0.3, 1.0, 0.0, -2.0]] * 5, dtype=torch.float64)
-    loss, grad, m = run(logp, old, adv, mask, gen_logp=gen, tis_cap=2.0)
-    w = [[min(math.exp(o - g), 2.0) for o, g in zip(ro, rg)] for ro, rg in zip(old.tolist(), gen.tolist())]
-    ref, ref_grad = ref_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), "seq-mean-token-mean", weight=w)
+    """TIS: where the clip is inactive the gradient is -A * min(w, cap) * grad log pi, w = pi_prox / pi_gen."""
+    logp, gen, adv, mask = make_batch(seed=2, spread=0.6)
+    loss, grad, m = run(logp, gen, adv, mask, tis_cap=1.2)
+    w = [[math.exp(a - b) for a, b in zip(ra, rb)] for ra, rb in zip(logp.tolist(), gen.tolist())]  # prox = logp
+    c = [[min(x, 1.2) / x for x in row] for row in w]
+    ref, ref_grad = ref_loss(logp.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), "seq-mean-token-mean", weight=c)
     assert_close(loss, ref)
     assert_close(grad, ref_grad)
     flat = [w[i][t] for i in range(5) for t in range(7) if mask[i, t]]
-    assert max(flat) == 2.0 and m["is_weight_mean"] == pytest.approx(sum(flat) / len(flat))
+    assert max(flat) > 1.2 and m["is_weight_mean"] == pytest.approx(sum(min(x, 1.2) for x in flat) / len(flat))
+    # an unclipped token with w above the cap: A < 0 and r > 1 is never clipped above (only below)
+    n = mask.sum(1).tolist()
+    for i in range(5):
+        for t in range(7):
+            if mask[i, t] and adv[i] < 0 and w[i][t] > 1.2:
+                assert_close(grad[i, t], -adv[i].item() * 1.2 / (n[i] * 5))
+    # with pi_prox given (several steps per batch), w comes from it, not from pi_theta
+    prox = gen + 0.3
+    _, grad2, _ = run(logp, gen, adv, mask, prox_logp=prox, tis_cap=1.2)
+    c2 = [[min(math.exp(0.3), 1.2) / math.exp(0.3)] * 7 for _ in range(5)]
+    _, ref_grad2 = ref_loss(logp.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), "seq-mean-token-mean", weight=c2)
+    assert_close(grad2, ref_grad2)
 
 
-def test_icepop_masks_tokens_but_keeps_denominator():
-    logp, old, adv, mask = make_batch(seed=5)
-    gen = old + torch.tensor([[-1.0, 0.5, 0.2, -0.3, 1.0, 0.0, -0.69]] * 5, dtype=torch.float64)
-    loss, grad, m = run(logp, old, adv, mask, agg="token-mean", gen_logp=gen, icepop_beta=2.0)
-    keep = [[1.0 if 0.5 <= math.exp(o - g) <= 2.0 else 0.0 for o, g in zip(ro, rg)] for ro, rg in zip(old.tolist(), gen.tolist())]
-    ref, ref_grad = ref_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), "token-mean", weight=keep)
+def test_icepop_weights_in_band_tokens_by_the_ratio_and_zeroes_the_rest():
+    """IcePop as the paper and slime define it: in [1/beta, beta] a token's gradient carries w = pi_prox /
+    pi_gen (not 1), outside it carries nothing; masked tokens stay in the denominator."""
+    gen = torch.zeros(1, 6, dtype=torch.float64)
+    w = torch.tensor([[0.4, 0.6, 0.9, 1.1, 1.9, 2.5]], dtype=torch.float64)
+    logp = w.log()  # pi_prox = pi_theta, so r = w
+    for a in (1.0, -1.0):
+        loss, grad, m = run(logp, gen, torch.tensor([a], dtype=torch.float64), torch.ones(1, 6), agg="token-mean",
+                            icepop_beta=2.0, eps_low=10.0, eps_high=10.0)  # wide clip: only IcePop acts
+        assert grad[0, 0] == 0 and grad[0, 5] == 0
+        for t in range(1, 5):
+            assert_close(grad[0, t], -a * w[0, t].item() / 6)
+        assert_close(loss, -a * sum(w[0, 1:5].tolist()) / 6)
+        assert m["icepop_masked_frac"] == pytest.approx(2 / 6)
+    # against the hand reference on a random batch, with the PPO clip active, and with TIS on top
+    logp, gen, adv, mask = make_batch(seed=5, spread=0.8)
+    keep = [[1.0 if 0.5 <= math.exp(a - b) <= 2.0 else 0.0 for a, b in zip(ra, rb)] for ra, rb in zip(logp.tolist(), gen.tolist())]
+    loss, grad, _ = run(logp, gen, adv, mask, agg="token-mean", icepop_beta=2.0)
+    ref, ref_grad = ref_loss(logp.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), "token-mean", weight=keep)
     assert_close(loss, ref)
     assert_close(grad, ref_grad)
-    assert (grad[:, 0] == 0).all() and (grad[:, 4] == 0).all()  # ratio e and 1/e are outside [1/2, 2]
-    masked = sum(1 for i in range(5) for t in range(7) if mask[i, t] and not keep[i][t])
-    assert m["icepop_masked_frac"] == pytest.approx(masked / mask.sum().item())
-    # both corrections at once: weight = TIS * keep
-    loss2, grad2, _ = run(logp, old, adv, mask, agg="token-mean", gen_logp=gen, icepop_beta=2.0, tis_cap=1.5)
-    w = [[keep[i][t] * min(math.exp(old[i, t].item() - gen[i, t].item()), 1.5) for t in range(7)] for i in range(5)]
-    ref2, ref_grad2 = ref_loss(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), "token-mean", weight=w)
+    assert 0 < sum(1 - k for row in keep for k in row) < 35  # some tokens out of band, some in
+    loss2, grad2, _ = run(logp, gen, adv, mask, agg="token-mean", icepop_beta=2.0, tis_cap=1.5)
+    c = [[keep[i][t] * min(math.exp(logp[i, t] - gen[i, t]), 1.5) / math.exp(logp[i, t] - gen[i, t]) for t in range(7)]
+         for i in range(5)]
+    ref2, ref_grad2 = ref_loss(logp.tolist(), gen.tolist(), adv.tolist(), mask.tolist(), "token-mean", weight=c)
     assert_close(loss2, ref2)
     assert_close(grad2, ref_grad2)
 
 
-def test_off_policy_needs_gen_logp():
-    logp, old, adv, mask = make_batch()
-    for kw in ({"tis_cap": 2.0}, {"icepop_beta": 2.0}):
-        with pytest.raises(ValueError, match="gen_logp"):
-            grpo.policy_loss(logp, old, adv, mask, **kw)
+def test_the_trust_region_is_held_against_the_sampler():
+    """With pi_prox = pi_theta (one step per batch) a clip on pi_theta / pi_prox could never bind; ours clips
+    r = pi_theta / pi_gen, so a token the policy already pushed past 1 + eps_high since sampling gets no more."""
+    gen = torch.zeros(1, 2, dtype=torch.float64)
+    logp = torch.log(torch.tensor([[1.5, 1.1]], dtype=torch.float64))
+    _, grad, m = run(logp, gen, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2), agg="token-mean", icepop_beta=2.0)
+    assert grad[0, 0] == 0 and grad[0, 1] != 0 and m["clip_frac_high"] == 0.5
+
+
+def test_log_ratios_are_clamped_before_exp():
+    gen = torch.tensor([[-1000.0, 0.0]], dtype=torch.float64)
+    logp = torch.tensor([[0.0, -1000.0]], dtype=torch.float64)
+    for a in (-1.0, 1.0):
+        loss, grad, m = run(logp, gen, torch.tensor([a], dtype=torch.float64), torch.ones(1, 2), tis_cap=2.0, kl_coef=0.1,
+                            ref_logp=gen)
+        assert math.isfinite(loss) and torch.isfinite(grad).all() and all(math.isfinite(v) for v in m.values())
 
 
 # --- KL and entropy -------------------------------------------------------------------------
@@ -295,10 +338,10 @@ def test_padding_values_never_matter():
     ref_lp = old + 0.2 * torch.randn(logp.shape, generator=g, dtype=torch.float64)
     ent = torch.rand(logp.shape, generator=g, dtype=torch.float64)
     kw = dict(dual_clip=3.0, tis_cap=2.0, icepop_beta=2.0, kl_coef=0.1, entropy_coef=0.01)
-    base = run(logp, old, adv, mask, gen_logp=gen, ref_logp=ref_lp, entropy=ent, **kw)
+    base = run(logp, gen, adv, mask, prox_logp=old, ref_logp=ref_lp, entropy=ent, **kw)
     pad = mask == 0
     garbage = lambda x, v: x.masked_fill(pad, v)
-    other = run(garbage(logp, 50.0), garbage(old, -1e4), adv, mask, gen_logp=garbage(gen, float("nan")),
+    other = run(garbage(logp, 50.0), garbage(gen, float("nan")), adv, mask, prox_logp=garbage(old, -1e4),
                 ref_logp=garbage(ref_lp, float("inf")), entropy=garbage(ent, float("nan")), **kw)
     assert base[0] == other[0] and base[2] == other[2]
     assert torch.equal(base[1], other[1]) and (base[1][pad] == 0).all()
@@ -308,16 +351,17 @@ def test_padding_values_never_matter():
 def test_loss_scale_microbatches_sum_to_full_batch(agg):
     logp, old, adv, mask = make_batch(B=5, seed=10, spread=0.6)
     mask[2] = 0  # a sequence with no response tokens must not count
-    kw = dict(agg=agg, gen_logp=old - 0.1, tis_cap=2.0, ref_logp=old + 0.05, kl_coef=0.2)
-    full_loss, full_grad, _ = run(logp, old, adv, mask, **kw)
+    gen = old - 0.1
+    kw = dict(agg=agg, tis_cap=2.0, icepop_beta=2.0, ref_logp=old + 0.05, kl_coef=0.2)
+    full_loss, full_grad, _ = run(logp, gen, adv, mask, **kw)
     hand_count = mask.sum().item() if agg == "token-mean" else 4
     scale = sum(grpo.loss_denominator(mask[a:b], agg) for a, b in [(0, 2), (2, 4), (4, 5)])
     assert scale == hand_count == grpo.loss_denominator(mask, agg)
     x = logp.clone().requires_grad_(True)
     total = 0.0
     for a, b in [(0, 2), (2, 4), (4, 5)]:
-        mkw = dict(kw, gen_logp=kw["gen_logp"][a:b], ref_logp=kw["ref_logp"][a:b])
-        loss, _ = grpo.policy_loss(x[a:b], old[a:b], adv[a:b], mask[a:b], loss_scale=scale, **mkw)
+        c = cfg(**{k: v for k, v in kw.items() if k != "ref_logp"})
+        loss, _ = grpo.policy_loss(x[a:b], gen[a:b], adv[a:b], mask[a:b], c, ref_logp=kw["ref_logp"][a:b], loss_scale=scale)
         loss.backward()
         total += loss.item()
     assert_close(total, full_loss)

@@ -245,13 +245,14 @@ def test_memory_plan_items_against_hand_formulas():
     assert ddp["AdamW exp_avg + exp_avg_sq fp32"] == 8 * P
     assert ddp["DDP gradient buckets fp32 (a second copy of the grads)"] == 4 * P
     gen = dict(tiny_plan().generator)
-    assert gen["bf16 weights"] == 2 * P
+    fp32_indexer = 2 * (2 * 8 + 48 * 2)  # k_norm [8] x2 and weights_proj [2, 48] on the 2 F layers
+    assert gen["bf16 weights (indexer weights_proj, k_norm fp32)"] == 2 * P + 2 * fp32_indexer
     # KV cache: keys + values [3, 40, 2, 16] on 3 layers, indexer keys [3, 40, 8] on the 2 F layers, key mask
     bf16 = 2
     kv = bf16 * 2 * 3 * (3 * 40 * 2 * 16) + bf16 * 2 * (3 * 40 * 8) + 3 * 40
     cache = KVCache(TINY, 3, 40, dtype=torch.bfloat16)  # and what KVCache really allocates
     real = sum(t.numel() * t.element_size() for t in cache.k + cache.v + [t for t in cache.index_k if t is not None])
-    assert gen["KV cache bf16, 3 x 40 slots"] == kv == real + cache.key_mask.numel()
+    assert gen["KV cache bf16, 3 x 40 slots (rollout and eval, one at a time)"] == kv == real + cache.key_mask.numel()
     plan = tiny_plan()
     assert plan.learner_bytes() == sum(fsdp.values()) and plan.generator_bytes() == sum(gen.values())
 
@@ -271,7 +272,7 @@ def test_memory_plan_9b_recipe_on_h100():
     assert plan.learner_bytes() < H100 - 20 * 2**30  # FSDP over 4: ~49 GiB, with room to spare
     assert not any(p.startswith("learner") for p in plan.problems(H100))
     # Our engine preallocates batch x max_len slots: 128 x 17408 x 40 KiB = 85 GiB of KV cache alone.
-    assert dict(plan.generator)["KV cache bf16, 128 x 17408 slots"] == 128 * 17408 * (40 * 2 * 2 * 128 * 2 + 1)
+    assert dict(plan.generator)["KV cache bf16, 128 x 17408 slots (rollout and eval, one at a time)"] == 128 * 17408 * (40 * 2 * 2 * 128 * 2 + 1)
     assert any("rollout.max_batch" in p for p in plan.problems(H100))
     assert memory_plan(NINE_B, **(RECIPE | {"generator_batch": 32})).problems(H100) == []
     assert "fits" in plan.text(H100) and "does NOT fit" in plan.text(H100)

@@ -35,7 +35,7 @@ FAST = ["model.init.hidden_size=32", "model.init.intermediate_size=64", "model.i
         "model.init.head_dim=8", "train.dsa_warmup_steps=2", "train.sft_steps=4", "train.rl_steps=4",
         "train.warmup_batch_size=16", "rollout.prompts_per_step=4", "rollout.n=4", "train.eval_every=2",
         "train.eval_n=2", "data.eval_size=8", "train.save_every=2", "train.keep_checkpoints=20",
-        "optim.warmup_steps=2", "grpo.old_logp=recompute"]
+        "optim.warmup_steps=2"]
 
 
 # ----------------------------------------------------------------------------- config
@@ -72,7 +72,11 @@ def test_unknown_key_names_key_and_suggestion(tmp_path):
     ("rollout.n.x=3", "rollout.n.x: n is not a mapping"),
     ("rollout.temperature=0", "rollout.temperature must be > 0"),
     ("grpo.agg=mean", "grpo.agg must be one of"),
-    ("grpo.old_logp=cached", "grpo.old_logp must be recompute or generator"),
+    ("grpo.old_logp=recompute", "grpo.old_logp was removed: pi_old is now the learner's own forward"),
+    ("rollout.top_p=0.9", "rollout.top_p was removed: RL samples from the full tempered distribution"),
+    ("grpo.icepop_beta=0.5", "grpo.icepop_beta must be > 1"),
+    ("grpo.tis_cap=0", "grpo.tis_cap must be > 0"),
+    ("optim.max_skipped_steps=0", "optim.max_skipped_steps must be >= 1"),
     ("model.path=/some/dir", "set exactly one of model.path and model.init"),
     ("model.init.vocab_size=10", "model.init must not set ['vocab_size']"),
     ("model.init.num_kv_heads=3", "num_heads (4) must be a multiple of num_kv_heads (3)"),
@@ -118,9 +122,11 @@ def test_yaml_has_every_key_and_documents_it(path):
 
 
 def test_every_key_is_read():
-    src = open(os.path.join(ROOT, "train.py")).read()
+    """train.py reads every key; the grpo section is the objective's own GRPOConfig, read in grpo.py too."""
+    src = {name: open(os.path.join(ROOT, name)).read() for name in ("train.py", "grpo.py")}
     for key in train.config_keys():
-        assert re.search(rf"\.{key.rpartition('.')[2]}\b", src), f"nothing in train.py reads {key}"
+        where = ("train.py", "grpo.py") if key.startswith("grpo.") else ("train.py",)
+        assert any(re.search(rf"\.{key.rpartition('.')[2]}\b", src[w]) for w in where), f"nothing in {where} reads {key}"
 
 
 def test_glm9b_recipe_numbers():
@@ -207,7 +213,7 @@ def make_batch(prompts, comps, versions, n=2):
 
 
 def rl_setup(model, **overrides):
-    overrides = {"grpo.old_logp": "recompute", "rollout.temperature": 0.7} | overrides
+    overrides = {"rollout.temperature": 0.7} | overrides
     cfg = train.load_config(TINY, [f"{k}={v}" for k, v in overrides.items()])
     return cfg, torch.optim.AdamW(p for n, p in model.named_parameters() if ".indexer." not in n), grpo.KLGuard()
 
@@ -220,7 +226,7 @@ def test_rl_step_on_policy_and_staleness_filter(rollouts):
     versions = [(5, 5)] * 8 + [(4, 5)] * 6 + [(3, 5)] + [(4, 4)]
     m = train.rl_step(cfg, learner, None, opt, guard, make_batch(prompts, comps, versions), version=5)
     assert m["staleness/dropped"] == 1 and m["staleness/max"] == 1 and m["train/samples"] == 15
-    # Same weights as the generator, so the recomputed pi_old is the generator's logprobs.
+    # Same weights as the generator, so the learner's own forward (pi_prox) is the generator's logprobs.
     assert m["train/logp_diff_max"] < 1e-4
     assert m["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
 
@@ -367,17 +373,17 @@ def test_ctrl_c_stops_cleanly(tmp_path):
 
 def test_every_optional_path_runs(tmp_path):
     """KL loss with a frozen reference and the KL guard, TIS + IcePop + dual clip, entropy bonus,
-    dynamic sampling, aborting instead of partial rollouts, token-mean, generator logprobs as pi_old."""
+    dynamic sampling, aborting instead of partial rollouts, token-mean."""
     run_dir = str(tmp_path / "options")
     run_train(run_dir, "grpo.kl_coef=0.01", "grpo.kl_guard=true", "grpo.kl_guard_threshold=1e-9", "grpo.tis_cap=2",
-              "grpo.dual_clip=3", "grpo.entropy_coef=0.01", "grpo.agg=token-mean", "grpo.old_logp=generator",
+              "grpo.dual_clip=3", "grpo.entropy_coef=0.01", "grpo.agg=token-mean",
               "rollout.dynamic_sampling=true", "rollout.partial_rollout=false", "train.dsa_warmup_steps=0")
     rl = [r for r in metrics(run_dir) if r["stage"] == "rl" and r["step"] > 0]
     assert len(rl) == 4 and os.path.isfile(os.path.join(run_dir, "reference", "config.json"))
     assert all("train/kl" in r and "train/is_weight_mean" in r and "train/dual_clip_frac" in r for r in rl)
     assert rl[-1]["kl_guard/fired"] == 1.0 and rl[-1]["kl_guard/scale"] < 1.0  # any KL is above a 1e-9 threshold
     assert rl[-1]["train/lr"] == pytest.approx(5e-4 * rl[-1]["kl_guard/scale"])  # the guard brakes the lr
-    assert "train/logp_diff_max" not in rl[0]  # only measured when pi_old is recomputed
+    assert all("train/logp_diff_max" in r and "train/mismatch_k3" in r and "train/icepop_masked_frac" in r for r in rl)
 
 
 # ----------------------------------------------------------------------------- several processes
