@@ -8,9 +8,9 @@ advantage is how much better it did than its siblings, so no value network is ne
 
 Every response token t is trained with the PPO clipped surrogate, asymmetric clip ("clip higher"):
 
-    r_it = pi_theta(o_it | q, o_i<t) / pi_gen(o_it | q, o_i<t)
-    l_it = c_it * max(-A_i r_it, -A_i clip(r_it, 1 - eps_low, 1 + eps_high))
-    L    = 1/|B| sum_i 1/|o_i| sum_t l_it  +  kl_coef * KL(pi_theta || pi_ref)  -  entropy_coef * H
+    rho_it = pi_theta(o_it | q, o_i<t) / pi_gen(o_it | q, o_i<t)
+    l_it   = c_it * max(-A_i rho_it, -A_i clip(rho_it, 1 - eps_low, 1 + eps_high))
+    L      = 1/|B| sum_i 1/|o_i| sum_t l_it  +  kl_coef * KL(pi_theta || pi_ref)  -  entropy_coef * H
 
 (written in the default "seq-mean-token-mean" aggregation; see `aggregate` for the others).
 
@@ -18,11 +18,11 @@ Asynchronous RL brings three policies. pi_gen sampled the tokens: a few weight v
 different kernel stack (bf16 inference engine vs. the trainer). pi_prox is the learner's own policy at
 the start of the step (its forward's logprobs, detached: with one optimizer step per batch no extra
 pass is needed). pi_theta is the policy being optimised, equal to pi_prox in value but carrying the
-gradient. The clipped ratio is r = pi_theta / pi_gen: the trust region is held against the policy that
+gradient. The clipped ratio is rho = pi_theta / pi_gen: the trust region is held against the policy that
 sampled, as PPO's surrogate requires. (Decoupled PPO, as in AReaL, clips pi_theta / pi_prox and weights
 by pi_prox / pi_gen; with one step per batch that clip can never bind, since pi_theta = pi_prox, and
 nothing would stop a stale batch from pushing the policy far from its sampler.) Where the clip is not
-active the gradient is A * r * grad log pi_theta = A * w * grad log pi_theta, w = pi_prox / pi_gen: the
+active the gradient is A * rho * grad log pi_theta = A * w * grad log pi_theta, w = pi_prox / pi_gen: the
 importance weight is already in it. The off-policy corrections act on that mismatch w through c:
   none    c = 1;
   TIS     c = min(w, cap) / w: the weight w becomes min(w, cap) (truncated importance sampling);
@@ -50,7 +50,7 @@ LOG_RATIO_CLAMP = 20.0  # |log pi / pi'| before exp (as verl and slime clamp)
 class GRPOConfig:
     """The objective's settings (the `grpo:` section of a config). A new loss knob is a field here plus
     its use in policy_loss."""
-    eps_low: float = 0.2  # clip r below 1 - eps_low ...
+    eps_low: float = 0.2  # clip rho = pi_theta / pi_gen below 1 - eps_low ...
     eps_high: float = 0.28  # ... and above 1 + eps_high ("clip higher")
     dual_clip: float | None = None  # cap the loss of A < 0 tokens at -A * dual_clip (> 1)
     agg: str = "seq-mean-token-mean"  # one of AGG_MODES
@@ -218,7 +218,7 @@ def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=Non
     adv = advantages.detach().to(logp.dtype)
     adv = (adv.unsqueeze(-1) if adv.ndim == 1 else adv).expand_as(logp).masked_fill(pad, 0.0)  # [B, T]
 
-    ratio = torch.exp((logp - gen_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T] r = pi_theta / pi_gen
+    ratio = torch.exp((logp - gen_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T] rho = pi_theta / pi_gen
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))  # [B, T]
     if cfg.dual_clip is not None:

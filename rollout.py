@@ -153,7 +153,7 @@ class TorchEngine:
             for r, t, l in zip(alive.tolist(), tok.tolist(), lp.tolist()):
                 if l != l:  # NaN: this row's logits were not finite
                     raise FloatingPointError(f"generator: non-finite logits at weight version {version} "
-                                             "(the published weights have blown up)")
+                                             "(the published weights overflow: lower the learning rate?)")
                 tokens[r].append(t)
                 logps[r].append(l)
                 versions[r][0], versions[r][1] = min(versions[r][0], version), max(versions[r][1], version)

@@ -10,7 +10,7 @@ decode tokens/s. Writes the "scale" section of docs/benchmarks.md with --write.
     python bench/scale.py --tiny --device cpu                          # a CPU smoke test, seconds
 
 The learner is train.py's: fp32 weights, gradient checkpointing, bf16 autocast on cuda, AdamW over all
-but the DSA indexer, configs/glm9b_math.yaml (pi_old recomputed, lm_head in LOGIT_CHUNK-row chunks).
+but the DSA indexer, configs/glm9b_math.yaml (lm_head in LOGIT_CHUNK-row chunks).
 Its batch is synthetic: --samples sequences (groups of 4) of --prompt + --response random tokens, 0/1
 rewards, generator logprobs of -1. Under torchrun each rank trains its share of the same global batch
 and generates its own --gen-batch; every rank's generator sits on its learner's GPU (train.py puts it on

@@ -282,3 +282,21 @@ def test_memory_plan_9b_recipe_on_h100():
     assert problem.startswith("learner") and "train.parallel" in problem
     sglang = memory_plan(NINE_B, **(RECIPE | {"engine": "sglang", "sglang_mem_fraction": 0.8}))
     assert sglang.problems(H100) == [] and "KV pool" in sglang.text(H100)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_attention_never_falls_back_to_the_math_kernel():
+    """At the 9B head shapes in bf16: causal GQA attention takes the flash kernel, masked attention (packed
+    rows, padding, a cache) the memory-efficient one; the math kernel, which materialises [B, H, Tq, Tk]
+    fp32 scores, is not allowed to run."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from model import AttnMask, dense_attention
+    T, H, Hkv, D = 1024, 32, 2, 128
+    q = torch.randn(1, T, H, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, T, Hkv, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    pos = torch.arange(T, device="cuda")
+    doc = (torch.arange(T, device="cuda") >= T // 2).long()[None]  # a packed row of two sequences
+    for mask, backends in ((AttnMask(pos, T), [SDPBackend.FLASH_ATTENTION]),
+                           (AttnMask(pos, T, doc=doc), [SDPBackend.EFFICIENT_ATTENTION])):
+        with sdpa_kernel(backends):
+            dense_attention(q, k, v, mask, D**-0.5).float().sum().backward()

@@ -7,6 +7,7 @@ FSDP2, the warm-up stages end to end, and checkpoint/resume with 2 processes.
 This file is also the worker of the RL-step test: `torchrun ... tests/test_train.py OUT PARALLEL AGG`."""
 import copy
 import json
+import math
 import os
 import re
 import shutil
@@ -245,6 +246,80 @@ def test_micro_batches_sum_to_the_full_batch_gradient(rollouts, agg):
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
 
 
+def test_a_non_finite_step_is_skipped_and_changes_nothing(rollouts):
+    model, _, prompts, comps = rollouts
+    learner = copy.deepcopy(model)
+    cfg, opt, guard = rl_setup(learner)
+    before = {k: v.clone() for k, v in learner.state_dict().items()}
+    batch = make_batch(prompts, comps, [(0, 0)] * len(comps))
+    batch.samples[0].reward = float("nan")  # a grader returning NaN: the advantages of its group are NaN
+    m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+    assert m["train/skipped"] == 1.0 and not math.isfinite(m["train/loss"])
+    assert all(torch.equal(v, learner.state_dict()[k]) for k, v in before.items())
+    assert not opt.state and all(p.grad is None for p in learner.parameters())  # AdamW never saw it
+    batch.samples[0].reward = 1.0
+    m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+    assert m["train/skipped"] == 0.0 and opt.state
+
+
+def test_skips_in_a_row_stop_with_one_line():
+    skips = train.Skips(limit=3)
+    for step in range(1, 3):
+        skips.update("rl", step, {"train/skipped": 1.0, "train/loss": float("nan"), "train/grad_norm": 1.0})
+    skips.update("rl", 3, {"train/skipped": 0.0})  # a good step resets the run
+    assert (skips.total, skips.run) == (2, 0)
+    for step in range(4, 6):
+        skips.update("rl", step, {"train/skipped": 1.0, "train/loss": 1.0, "train/grad_norm": float("inf")})
+    with pytest.raises(FloatingPointError) as e:
+        skips.update("rl", 6, {"train/skipped": 1.0, "train/loss": 1.0, "train/grad_norm": float("inf")})
+    assert str(e.value).startswith("rl step 6: grad_norm inf for 3 steps in a row") and "\n" not in str(e.value)
+
+
+def test_packed_logprobs_match_a_bf16_generator_under_autocast(rollouts):
+    """The GPU's dtypes: the learner's fp32 master weights under bf16 autocast against a generator holding
+    bf16 weights, with sparse attention (an indexer trained to imitate attention, as after the warm-up).
+    Their logprob gap must stay near the dense model's own bf16 gap."""
+    model, _, prompts, _ = rollouts
+    model = copy.deepcopy(model)
+    opt, g = torch.optim.Adam(model.indexer_parameters(), lr=1e-2), torch.Generator().manual_seed(0)
+    for _ in range(60):  # the dense warm-up, in miniature
+        _, kl = model(torch.randint(0, model.cfg.vocab_size, (4, 24), generator=g), indexer_loss="dense")
+        opt.zero_grad()
+        kl.backward()
+        opt.step()
+    gaps = {}
+    for name, net in (("dsa", model), ("dense", GLM(GLMConfig(**{**model.cfg.__dict__, "dsa": None})))):
+        if name == "dense":
+            net.load_state_dict(model.state_dict(), strict=False)
+        engine = TorchEngine(copy.deepcopy(net).cast_(torch.bfloat16), max_batch=16)
+        comps = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=12, stop_token_ids=(1,)), seed=3)
+        rows = [(p + c.token_ids, len(p)) for p, c in zip(prompts, comps)]
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _, _ = train.packed_forward(net, rows, temperature=0.7)
+        gaps[name] = torch.cat([(lp - torch.tensor(c.logprobs)).abs() for lp, c in zip(logp, comps)])
+    assert max(len(p) + len(c.token_ids) for p, c in zip(prompts, comps)) > 4  # top-k 4: attention is sparse
+    # measured: mean gap 0.004 (DSA) vs 0.011 (dense) nats; the worst token 0.69 vs 0.055 (one flipped key)
+    assert gaps["dsa"].mean() < max(3 * gaps["dense"].mean(), 1e-2), (gaps["dsa"].mean(), gaps["dense"].mean())
+
+
+def test_rl_step_under_bf16_autocast(rollouts, monkeypatch):
+    """rl_step as it runs on a GPU (autocast bf16, fp32 master weights), DSA included: finite, and the
+    same update as fp32 to bf16 precision."""
+    model, _, prompts, comps = rollouts
+    batch = make_batch(prompts, comps, [(0, 0)] * len(comps))
+    grads = {}
+    for dtype in ("fp32", "bf16"):
+        if dtype == "bf16":
+            monkeypatch.setattr(train, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+        learner = copy.deepcopy(model)
+        cfg, opt, guard = rl_setup(learner)
+        m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+        assert m["train/skipped"] == 0.0 and math.isfinite(m["train/loss"])
+        grads[dtype] = torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None])
+    cos = torch.nn.functional.cosine_similarity(grads["fp32"], grads["bf16"], dim=0)
+    assert cos > 0.95, cos
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -369,6 +444,24 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     assert not [d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.startswith(".")]
     for line in open(os.path.join(run_dir, "metrics.jsonl")):
         json.loads(line)  # no half-written line
+
+
+def test_a_blown_up_run_stops_with_one_line_and_clean_checkpoints(tmp_path):
+    """optim.lr=1e4: the weights overflow within a few RL steps. The run must end with one line naming
+    what was non-finite (no traceback), and no checkpoint may hold a non-finite tensor."""
+    run_dir = str(tmp_path / "blown")
+    cmd = [sys.executable, "train.py", "--config", TINY, f"run_dir={run_dir}", *FAST, "optim.lr=1e4",
+           "train.rl_steps=30", "train.save_every=1"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    last = p.stderr.strip().splitlines()[-1] if p.returncode else ""
+    if p.returncode:  # stopped: one line, no traceback
+        assert last.startswith("error:") and "non-finite" in last or "not finite" in last, p.stderr[-2000:]
+        assert "Traceback" not in p.stderr
+    rows = [r for r in metrics(run_dir) if r["stage"] == "rl"]
+    assert any(r.get("train/skipped") for r in rows) or p.returncode  # skipped steps are counted
+    for ckpt in train.checkpoints(run_dir):
+        for name, t in GLM.from_pretrained(ckpt).state_dict().items():
+            assert torch.isfinite(t).all(), (ckpt, name)
 
 
 def test_every_optional_path_runs(tmp_path):
