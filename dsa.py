@@ -29,6 +29,11 @@ state (`fp32_scope`), and the small indexer parameters (`weights_proj`, `k_norm`
 copy of the model (`FP32_PARAMS`), as DeepSeek-V3.2's reference keeps them. The indexer's q and k are
 rounded to the compute dtype before scoring, on both sides: that is how the generator's cache holds k.
 
+Kernels. On CUDA, scoring (in select_topk) and sparse attention (training, its backward, and decode)
+run the Triton kernels of dsa_triton.py, which compute exactly what the functions here compute without
+materialising gathered keys or per-head scores; `USE_TRITON = False` (config `model.dsa_kernels:
+false`) keeps this file's plain-PyTorch path, which is also the CPU path and the tests' reference.
+
 Masks are passed as objects with a `.dense(q0, q1) -> bool [B|1, q1-q0, Tk]` method (model.AttnMask),
 so nothing here materialises a [T, T] matrix for more than one chunk of queries at a time.
 """
@@ -39,6 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+import dsa_triton
+
 # Work is split into query chunks so that no intermediate exceeds ~2^24 elements (64 MiB in fp32);
 # sparse attention's gathered keys get a cache-sized block on CPU, 64x that on GPU.
 CHUNK_ELEMENTS = 1 << 24
@@ -47,6 +54,11 @@ GATHER_GPU_FACTOR = 16
 # Parameter names (suffixes) kept in fp32 in every copy of the model: the learner's bf16 FSDP gather and
 # the generator's bf16 weights leave them alone (model.py, train.py).
 FP32_PARAMS = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
+USE_TRITON = True  # the Triton kernels wherever dsa_triton.available() (CUDA tensors)
+
+
+def _triton(t):
+    return USE_TRITON and dsa_triton.available(t)
 
 
 def fp32_scope(t):
@@ -140,11 +152,15 @@ def select_topk(q, w, k, mask, topk):
     K = min(topk, Tk)
     idx = torch.empty(B, Tq, K, dtype=torch.long, device=q.device)
     valid = torch.empty(B, Tq, K, dtype=torch.bool, device=q.device)
-    c = max(1, CHUNK_ELEMENTS // max(1, B * q.shape[2] * Tk))
+    kernel = _triton(q)
+    c = max(1, CHUNK_ELEMENTS // max(1, B * (1 if kernel else q.shape[2]) * Tk))  # the kernel keeps [.., H_I, ..] on chip
     for q0 in range(0, Tq, c):
         q1 = min(Tq, q0 + c)
-        kmax = int(mask.q_slot[q1 - 1]) + 1  # causal: keys after the chunk's last query are never visible
-        s = index_scores(q[:, q0:q1], w[:, q0:q1], k[:, :kmax])
+        kmax = mask.k_len - Tq + q1  # queries hold the last Tq slots: keys after the chunk's last are never visible
+        if kernel:
+            s = dsa_triton.index_scores(q[:, q0:q1], w[:, q0:q1], k[:, :kmax], q_slot=mask.q_slot[q0:q1])
+        else:
+            s = index_scores(q[:, q0:q1], w[:, q0:q1], k[:, :kmax])
         s = s.masked_fill_(~mask.dense(q0, q1)[..., :kmax], float("-inf"))
         chosen = _tie_broken(s).topk(min(K, kmax), dim=-1).indices
         idx[:, q0:q1], valid[:, q0:q1] = 0, False
@@ -180,7 +196,9 @@ def sparse_attention(q, k, v, idx, valid, scale, return_probs=False):
     Each query gathers its own K keys, so this is bound by memory traffic, not FLOPs: queries go in
     chunks small enough for the gathered [c, K, Hkv, D] block to stay in cache on a CPU (bigger on a
     GPU, where launches cost more). Under autograd each chunk is recomputed in backward, so gathered
-    keys never pile up for the whole sequence."""
+    keys never pile up for the whole sequence. On CUDA the Triton kernel does all of this on chip."""
+    if _triton(q):
+        return dsa_triton.sparse_attention(q, k, v, idx, valid, scale, return_probs)
     B, Tq, H, D = q.shape
     K = idx.shape[-1]
     kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, Tk, D]

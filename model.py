@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dsa
+import dsa_triton
 from dsa import FP32_PARAMS, DSAConfig
 
 
@@ -136,7 +137,8 @@ def apply_rope(x, cos, sin):
 @dataclass
 class AttnMask:
     """Which keys each query may see, without building a [T, T] matrix until a chunk asks for one.
-    Keys live in slots 0..k_len-1 (cache slots when generating); query i sits in slot q_slot[i]."""
+    Keys live in slots 0..k_len-1 (cache slots when generating); query i sits in slot q_slot[i], and the
+    queries are the last Tq slots (q_slot = k_len - Tq, ..., k_len - 1), so bounds need no device read."""
     q_slot: torch.Tensor  # [Tq]
     k_len: int
     k_valid: torch.Tensor | None = None  # [B, k_len], False on padding slots
@@ -636,15 +638,26 @@ class MemoryPlan:
         return out
 
 
-def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad):
-    """Bytes of dsa.py's largest chunked block (c queries at a time, c from CHUNK/GATHER_ELEMENTS):
-    select_topk's scores [B, c, H_I, Tk] fp32 and their ReLU, or sparse_attention's gathered keys and
-    values [B, Hkv, c, K, D] bf16 (GPU chunk size), their fp32 copies (logits and the weighted sum are fp32)
-    and the logits and probabilities [B, Hkv, c, G, K] fp32. With grad, a chunk is recomputed in backward
-    and its gradients join it."""
-    K, per_q = min(cfg.dsa.topk, Tk), B * cfg.dsa.heads * Tk
+def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad, kernels):
+    """Bytes of DSA's largest transient in one layer. select_topk scores c queries at a time: with the
+    Triton kernels fp32 [B, c, Tk] (+ mask, int64 tie-free keys and topk's workspace: ~29 bytes a score),
+    else [B, c, H_I, Tk] fp32 and its ReLU. Sparse attention: with the kernels, nothing gathered; its
+    backward holds dQ [Tq, H, D] and dK, dV [Tk, Hkv, D] in fp32 and a slot buffer of at most
+    dsa_triton.BWD_BUFFER_BYTES. Without them, gathered keys and values [B, Hkv, c, K, D] bf16 (GPU chunk),
+    their fp32 copies and the logits and probabilities [B, Hkv, c, G, K] fp32; with grad a chunk is
+    recomputed in backward and its gradients join it."""
+    K, D, Hkv = min(cfg.dsa.topk, Tk), cfg.head_dim, cfg.num_kv_heads
+    if kernels:
+        c = min(Tq, max(1, dsa.CHUNK_ELEMENTS // (B * Tk)))
+        scores = c * B * Tk * 29
+        attn = B * Tq * cfg.num_heads * 4 * 2  # LSE and Delta [B, Tq, H] fp32
+        if grad:
+            attn += (min(dsa_triton.BWD_BUFFER_BYTES, B * Tq * K * Hkv * D * 4 * 2)
+                     + B * Tq * cfg.num_heads * D * 4 + 2 * B * Tk * Hkv * D * 4)
+        return max(scores, attn)
+    per_q = B * cfg.dsa.heads * Tk
     scores = min(Tq, max(1, dsa.CHUNK_ELEMENTS // per_q)) * per_q * 4 * 2  # a chunk is at most all Tq queries
-    per_q = B * K * cfg.num_kv_heads * cfg.head_dim
+    per_q = B * K * Hkv * D
     c = min(Tq, max(1, dsa.GATHER_ELEMENTS * dsa.GATHER_GPU_FACTOR // per_q))
     return max(scores, ((2 + 4) * 2 * c * per_q + 2 * 4 * c * B * K * cfg.num_heads) * (2 if grad else 1))
 
@@ -652,11 +665,11 @@ def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad):
 def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
                 gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
                 generator_batch: int, generator_max_len: int, prompt_len: int, engine: str,
-                sglang_mem_fraction: float | None = None, logit_chunk: int = 1024) -> MemoryPlan:
+                sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, dsa_kernels: bool = True) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows of generator_max_len slots,
     prefilled with prompt_len tokens each; "sglang": its share of the GPU). logit_chunk: response tokens
-    per lm_head call (train.LOGIT_CHUNK)."""
+    per lm_head call (train.LOGIT_CHUNK). dsa_kernels: DSA runs dsa_triton's kernels (dsa.USE_TRITON)."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
     with torch.device("meta"):
@@ -688,7 +701,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     block_grads = T * 2 * 4 * I  # backward's gradients of the MLP tensors [T, 4I] bf16
     sparse = cfg.dsa is not None and cfg.dsa.topk < T
     if sparse:  # DSA inside the block: select_topk without grad, sparse_attention's chunks with
-        block_grads += _dsa_block(cfg, 1, T, T, grad=True)
+        block_grads += _dsa_block(cfg, 1, T, T, grad=True, kernels=dsa_kernels)
     if gradient_checkpointing:
         saved = ("block inputs kept by checkpointing [T, h] x layers", L * T * h * a)
         one_block = ("one block recomputed + grads", block + block_grads)
@@ -736,9 +749,9 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                                    3 * 4 * h)) + 5 * B * Pn * Pn  # or RMSNorm's fp32 temps; masks [B, P, P]
         decode = int(4.5 * B * V * 4)  # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp
         if cfg.dsa is not None and cfg.dsa.topk < Pn:
-            prefill += _dsa_block(cfg, B, Pn, Pn, grad=False)
+            prefill += _dsa_block(cfg, B, Pn, Pn, grad=False, kernels=dsa_kernels)
         if cfg.dsa is not None and cfg.dsa.topk < S:  # a decode step's indexer scores [B, 1, H_I, S]
-            decode += _dsa_block(cfg, B, 1, S, grad=False)
+            decode += _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
         name, peak = max([("prefill of batch x prompt tokens", prefill), ("one decode step's logits (and DSA scores)", decode),
                           # keep() drops finished rows one layer at a time: one layer's keys copied
                           ("KVCache.keep: one layer's keys, copied", B * S * KD * 2)], key=lambda t: t[1])

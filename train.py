@@ -63,6 +63,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import data
+import dsa
 import grpo
 from grpo import GRPOConfig
 from model import GLM, GLMConfig, memory_plan
@@ -84,6 +85,7 @@ class ModelConfig:
     dsa: dict | None = None  # DSAConfig fields; None keeps the checkpoint's own setting
     tokenizer: str | None = None  # None: the checkpoint's (or, with init, the synthetic task's)
     gradient_checkpointing: bool = False
+    dsa_kernels: bool = True  # on CUDA, DSA runs the Triton kernels of dsa_triton.py (False: dsa.py's PyTorch)
 
 
 @dataclass
@@ -1017,7 +1019,7 @@ def plan_memory(cfg: Config, processes):
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
                        generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
                        prompt_len=r.max_prompt_tokens, engine=r.engine, sglang_mem_fraction=r.sglang_mem_fraction,
-                       logit_chunk=LOGIT_CHUNK)
+                       logit_chunk=LOGIT_CHUNK, dsa_kernels=cfg.model.dsa_kernels)
 
 
 def check_run_dir(cfg: Config, resume):
@@ -1040,6 +1042,7 @@ def main(argv=None):
     parser.add_argument("overrides", nargs="*", metavar="key.sub=value", help="override config keys")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
+    dsa.USE_TRITON = cfg.model.dsa_kernels
     run_dir = cfg.run_dir
     under_torchrun = "RANK" in os.environ
     processes = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun else cfg.train.pairs
