@@ -455,7 +455,7 @@ def test_a_blown_up_run_stops_with_one_line_and_clean_checkpoints(tmp_path):
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     last = p.stderr.strip().splitlines()[-1] if p.returncode else ""
     if p.returncode:  # stopped: one line, no traceback
-        assert last.startswith("error:") and "non-finite" in last or "not finite" in last, p.stderr[-2000:]
+        assert last.startswith("error:") and ("non-finite" in last or "not finite" in last), p.stderr[-2000:]
         assert "Traceback" not in p.stderr
     rows = [r for r in metrics(run_dir) if r["stage"] == "rl"]
     assert any(r.get("train/skipped") for r in rows) or p.returncode  # skipped steps are counted
