@@ -1,11 +1,11 @@
 """
-Everything about data that is not a model: prompt files, chat templates, grading math answers,
+Everything about data that is not a model: prompt files, chat templates, rewards (math grading),
 the synthetic arithmetic task of the CPU demo, token-budget batching, and pass@k.
 
 The order of this file follows one prompt through a run:
   1. load_jsonl / PromptStream      read a dataset, hand out prompts forever (resumable)
-  2. render_prompt                  prompt -> token ids, through the model's chat template
-  3. math_reward                    a finished response + the label -> 1.0 or 0.0
+  2. render_prompt / prompt_lengths prompt -> token ids, through the model's chat template
+  3. load_reward / math_reward      the reward hook; the default grades a response -> 1.0 or 0.0
   4. synthetic_task / tokenizer     the no-download demo: "12+7=" -> "\\boxed{19}"
   5. pack_by_tokens / split_...     group samples into batches under a token budget
   6. pass_at_k / eval_metrics       what evaluation reports
@@ -20,12 +20,17 @@ Simplifications, stated plainly:
   are refused before sympy ever sees them; the deadline is the second line of defence.
 """
 
+import difflib
 import hashlib
+import importlib
+import inspect
 import json
 import logging
+import os
 import random
 import re
 import string
+import sys
 import threading
 from decimal import Decimal
 from pathlib import Path
@@ -38,29 +43,58 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 # -----------------------------------------------------------------------------
 # 1. Prompt datasets
-# One JSON object per line: {"prompt": str | [{"role": ..., "content": ...}, ...], "label": str}.
+# One JSON object per line: {"prompt": str | [{"role": ..., "content": ...}, ...], "label": str, ...}.
+# An example is the whole object, every field kept (a custom reward may grade with metadata such as
+# "difficulty" or test cases), plus the normalised fields the rest of the code reads: "prompt",
+# "label" (a string) and, for the supervised stage, "solution" (the reference response).
+
+# A JSONL line is one problem: even long ones are kilobytes. A 200 MB line used to be read whole
+# and then OOM-killed the tokenizer with no message; now reading stops at this size, with file:line.
+MAX_LINE_BYTES = 8 * 2**20
 
 
-def load_jsonl(path, prompt_key="prompt", label_key="label"):
+def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (expected a JSONL prompt file, one "
                                 f'{{"{prompt_key}": ..., "{label_key}": ...}} object per line)')
+    # (key in the file, normalised field it is copied to, parameter naming it); a copy must never
+    # overwrite another field of the object.
+    copies = [(prompt_key, "prompt", "prompt_key"), (label_key, "label", "label_key")]
+    if response_key is not None:
+        copies.append((response_key, "solution", "response_key"))
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: readline's limit counts bytes, and bad UTF-8 gets file:line
+        lineno = 0
+        while True:
+            raw = f.readline(MAX_LINE_BYTES + 1)  # never more than the limit in memory at once
+            if not raw:
+                break
+            lineno += 1
+            where = f"{path}:{lineno}"
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise ValueError(f"{where}: line is longer than {_size(MAX_LINE_BYTES)} "
+                                 "(data.MAX_LINE_BYTES); expected one JSON object per line, is this a JSONL file?")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at byte offset "
+                                 f"{e.start} of the line); expected UTF-8 JSON text") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: not valid JSON ({e.msg}); expected one object per line") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key in (prompt_key, label_key):
+            for key, _, _ in copies:
                 if key not in obj:
                     raise ValueError(f"{where}: missing key '{key}' (keys present: {sorted(obj)})")
+            for key, field, param in copies:
+                if key != field and field in obj:
+                    raise ValueError(f"{where}: has both '{key}' (the {param}) and a '{field}' field; copying "
+                                     f"'{key}' to '{field}' would overwrite it, so rename one of them")
             prompt, label = obj[prompt_key], obj[label_key]
             if not (isinstance(prompt, str) or _is_messages(prompt)):
                 raise ValueError(f"{where}: '{prompt_key}' must be a string or a list of "
@@ -68,10 +102,20 @@ def load_jsonl(path, prompt_key="prompt", label_key="label"):
             # Labels like 42 are often stored as JSON numbers; the grader compares strings.
             if isinstance(label, bool) or not isinstance(label, (str, int, float)):
                 raise ValueError(f"{where}: '{label_key}' must be a string or a number, got {type(label).__name__}")
-            examples.append({"prompt": prompt, "label": str(label)})
+            example = {**obj, "prompt": prompt, "label": str(label)}
+            if response_key is not None:
+                if not isinstance(obj[response_key], str):
+                    raise ValueError(f"{where}: '{response_key}' must be a string (the reference response), "
+                                     f"got {type(obj[response_key]).__name__}")
+                example["solution"] = obj[response_key]
+            examples.append(example)
     if not examples:
         raise ValueError(f"{path}: file is empty (expected at least one JSON object)")
     return examples
+
+
+def _size(n):
+    return f"{n // 2**20} MiB" if n % 2**20 == 0 else f"{n} bytes"
 
 
 def _is_messages(x):
@@ -147,8 +191,75 @@ def render_prompt(tokenizer, prompt, chat_template=True):
     return [int(i) for i in ids]
 
 
+def prompt_lengths(tokenizer, examples, chat_template):
+    """Token length of each example's rendered prompt, so that the trainer can check every prompt
+    against rollout.max_prompt_tokens at start-up, before any work."""
+    return [len(render_prompt(tokenizer, ex["prompt"], chat_template)) for ex in examples]
+
+
 # -----------------------------------------------------------------------------
-# 3. Grading math answers
+# 3. Rewards
+# A reward function is any f(response_text, example) -> float, named as "module:function" and found
+# by load_reward. The example is the whole JSONL object (load_jsonl keeps every field), so a custom
+# reward can grade with metadata. The default, math_reward, grades a math answer against
+# example["label"]; most of this section is its answer matching.
+
+
+def load_reward(spec):
+    """The function named by spec, "module:function" (e.g. "data:math_reward"), checked to accept
+    (response_text, example). Every problem is one ValueError line starting with "data.reward: "."""
+    def fail(what):
+        return ValueError(f"data.reward: {spec!r}: {what}")
+
+    module_name, colon, fn_name = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not (colon and fn_name.isidentifier() and all(p.isidentifier() for p in module_name.split("."))):
+        raise fail('expected "module:function", e.g. "data:math_reward" or "my_rewards:length_penalty"')
+    # `python train.py` puts the script's folder on sys.path but not the working directory, and an
+    # installed glm-rl makes only its own modules importable, not other files beside them: add both.
+    # Appended, not prepended, so that a stray file in the working directory cannot shadow a library.
+    for folder in (os.getcwd(), str(Path(__file__).resolve().parent)):
+        if folder not in sys.path:
+            sys.path.append(folder)
+    importlib.invalidate_caches()  # find a module file written after an earlier import looked
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        # Only "this module does not exist" is reported as such; a module that exists but imports a
+        # missing dependency is an import failure like any other.
+        if e.name is not None and (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise fail(f"no module named '{e.name}' (searched the working directory {os.getcwd()}, "
+                       "the repository root and the installed packages)") from None
+        raise fail(f"importing {module_name} failed: {type(e).__name__}: {_one_line(e)}") from e
+    except Exception as e:  # the module's own bug: keep its traceback as the cause
+        raise fail(f"importing {module_name} failed: {type(e).__name__}: {_one_line(e)}") from e
+    # Naming the file shows at once when a module of the same name elsewhere was imported instead.
+    origin = getattr(module, "__file__", None) or "built-in"
+    if not hasattr(module, fn_name):
+        public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None)))
+        close = difflib.get_close_matches(fn_name, public, n=1)
+        hint = (f"did you mean '{close[0]}'?" if close else
+                f"it has: {', '.join(public[:10])}{', ...' if len(public) > 10 else ''}" if public else
+                "it defines no public functions")
+        raise fail(f"module {module_name} ({origin}) has no function '{fn_name}'; {hint}")
+    fn = getattr(module, fn_name)
+    if not callable(fn):
+        raise fail(f"{module_name}.{fn_name} is a {type(fn).__name__}, not a function")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # some C callables have no signature to check; they are called as they are
+    try:
+        signature.bind("response", {"prompt": "p", "label": "l"})
+    except TypeError as e:
+        raise fail(f"{module_name}.{fn_name}{signature} cannot be called as "
+                   f"f(response_text, example): {e}") from None
+    return fn
+
+
+def _one_line(e):
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:300] + "..."
+
 
 SYMBOLIC_TIMEOUT_S = 3.0   # deadline for one math-verify check (normal checks take milliseconds)
 MAX_SYMBOLIC_CHARS = 300   # longer answers only get the string match: real answers are short
@@ -156,10 +267,16 @@ MAX_NESTING = 12           # parsing time grows steeply with bracket depth
 MAX_STUCK_CHECKS = 4       # timed-out checks still running; beyond this, skip symbolic entirely
 
 
-def math_reward(response, label):
-    """1.0 if the last \\boxed{} answer after the reasoning equals the label, else 0.0. Never raises."""
+def math_reward(response, example):
+    """1.0 if the last \\boxed{} answer after the reasoning equals example["label"], else 0.0.
+    Never raises on what a model wrote or a dataset holds. Called the old way, with a label instead
+    of the example, it raises TypeError: otherwise every response would silently score 0."""
+    if not isinstance(example, dict) or "label" not in example:
+        got = f"a dict with keys {list(example)}" if isinstance(example, dict) else type(example).__name__
+        raise TypeError(f"math_reward(response, example): example must be a dict with a 'label' key "
+                        f"(the whole example, not its label), got {got}")
     try:
-        return 1.0 if _is_correct(response, label) else 0.0
+        return 1.0 if _is_correct(response, example["label"]) else 0.0
     except Exception:
         return 0.0
 

@@ -61,9 +61,9 @@ class GRPOConfig:
     kl_estimator: str = "low_var_kl"  # one of KL_ESTIMATORS
     entropy_coef: float = 0.0  # entropy bonus weight
     kl_guard: bool = False  # scale the lr down while the windowed KL to the reference is high (KLGuard)
-    kl_guard_threshold: float = 0.15
-    kl_guard_factor: float = 0.6
-    kl_guard_window: int = 10
+    kl_guard_threshold: float = 0.15  # ... fires while the windowed mean KL is above this
+    kl_guard_factor: float = 0.6  # ... multiplying the lr by this at every step while it fires (compounding)
+    kl_guard_window: int = 10  # ... over this many steps
 
 # -----------------------------------------------------------------------------
 # Advantages, and the per-sample filters applied before the loss

@@ -1,6 +1,6 @@
 """
 Generation: the engine that samples completions, and the generator thread that turns prompts into
-graded, grouped rollout batches while the learner trains (DESIGN.md, "The process layout").
+graded, grouped rollout batches while the learner trains (docs/design.md, "Processes").
 
     prompts --> [Generator thread] --render--> engine.generate (n per prompt) --grade--> RolloutBatch
                        ^                                                                      |
@@ -13,16 +13,12 @@ RL); with 1 it generates batch i+1 while the learner trains on batch i (one-step
 The learner counts versions as optimizer steps done, so a sample trained at step s was produced by
 weights at most max_staleness versions old.
 
-Weights can change in the middle of a batch. With `partial_rollout` (the default, as in slime and
-AReaL) generation continues under the new weights, keeping the KV cache computed under the old ones,
-and each sample records the (oldest, newest) versions it spans; the learner's off-policy correction
-(TIS / IcePop on the generator's logprobs) accounts for the mix. Without it, unfinished samples are
-aborted and regenerated from scratch under the new weights.
-
-Engines implement two calls: `generate(prompt_ids, sampling) -> [Completion]` and
-`update_weights(named_tensors, version)`, plus `version`, `abort()` and `resume()`. `TorchEngine` is
-ours: batched sampling on model.py with its KV cache (and DSA decode), the only engine that runs our
-DSA models. `SGLangEngine` adapts SGLang's offline engine (optional extra; dense checkpoints, GPU).
+When do new weights reach the generator? By default between batches only: batch i is sampled wholly by
+version i - max_staleness, so two runs with one seed are identical and a resumed run continues exactly.
+With `partial_rollout` (as in slime and AReaL) they land in the middle of a batch: generation continues
+under the new weights, keeping the KV cache computed under the old ones, and each sample records the
+(oldest, newest) versions it spans; the learner's off-policy correction (TIS / IcePop on the generator's
+logprobs) accounts for the mix, but which token saw which version depends on timing.
 """
 import asyncio
 import itertools
@@ -395,18 +391,28 @@ class Generator:
     """Runs the generation loop in a background thread and hands RolloutBatches to the learner.
     The staleness gate compares batch numbers with engine.version, so before start() the engine must
     hold the learner's weights and version (engine.update_weights(weights, version)); first_index is
-    that version on resume. Do not evaluate on the engine while stop() runs: it aborts in-flight work."""
+    that version on resume, and `ready` the batches a checkpoint kept (sampled before it was taken).
+    Do not evaluate on the engine while stop() runs: it aborts in-flight work.
+
+    When do new weights reach the engine? With partial_rollout off, only between batches: publish(v)
+    waits until batch v + max_staleness - 1 is done, so batch i is sampled wholly by version
+    i - max_staleness and a run is reproducible. The learner loses nothing by waiting with
+    max_staleness 1: its next step needs exactly that batch. With partial_rollout on, they land at the
+    next decode step of the batch in flight."""
 
     def __init__(self, engine, stream, tokenizer, *, prompts_per_step: int, n: int, sampling: SamplingParams,
                  max_staleness: int, dynamic_sampling: bool, chat_template: bool, max_prompt_tokens: int,
-                 reward_fn=math_reward, seed: int = 0, first_index: int = 0):
+                 reward_fn=math_reward, seed: int = 0, first_index: int = 0, partial_rollout: bool = False,
+                 ready: list = ()):
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
         self.prompts_per_step, self.n, self.sampling = prompts_per_step, n, sampling
         self.max_staleness, self.dynamic_sampling = max_staleness, dynamic_sampling
         self.chat_template, self.max_prompt_tokens = chat_template, max_prompt_tokens
-        self.reward_fn, self.seed = reward_fn, seed
-        self.index = first_index  # next batch to produce
+        self.reward_fn, self.seed, self.partial_rollout = reward_fn, seed, partial_rollout
         self.queue = queue.Queue(maxsize=max_staleness + 1)
+        for batch in ready:
+            self.queue.put(batch)
+        self.index = first_index + len(ready)  # next batch to produce
         self.gate = threading.Condition()
         self.stopping = threading.Event()
         self.error = None
@@ -429,6 +435,10 @@ class Generator:
 
     def publish(self, named_tensors, version: int):
         """Called by the learner after each optimizer step: new weights, and the gate opens."""
+        with self.gate:
+            while not (self.partial_rollout or self.index >= version + self.max_staleness or self.stopping.is_set()
+                       or self.error is not None or not self.thread.is_alive()):
+                self.gate.wait(0.1)
         self.engine.update_weights(named_tensors, version)
         with self.gate:
             self.gate.notify_all()
@@ -449,6 +459,12 @@ class Generator:
                     raise TimeoutError("no rollout batch arrived in time") from None
                 if not self.thread.is_alive() and self.error is None:
                     raise RuntimeError("the generator thread has stopped")
+
+    def pending(self, version: int) -> list:
+        """The finished batches the learner has not taken yet, from batch `version` on (they go into a
+        checkpoint: sampled by older weights, they could not be sampled again after a resume)."""
+        with self.queue.mutex:
+            return [b for b in self.queue.queue if version <= b.index < version + self.max_staleness]
 
     def idle_fraction(self) -> float:
         return self.waited / max(1e-9, time.perf_counter() - self.started) if self.started else 0.0
@@ -474,7 +490,9 @@ class Generator:
                     except queue.Full:
                         pass
                 self.waited += time.perf_counter() - t0
-                self.index += 1
+                with self.gate:  # a publish may be waiting for this batch
+                    self.index += 1
+                    self.gate.notify_all()
         except BaseException as e:  # surfaced in the learner by get()
             self.error = e
 
@@ -538,7 +556,7 @@ class Generator:
             group = []
             for c in comps[p * self.n:(p + 1) * self.n]:
                 text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                group.append(Sample(prompts[p], c.token_ids, c.logprobs, float(self.reward_fn(text, ex["label"])),
+                group.append(Sample(prompts[p], c.token_ids, c.logprobs, float(self.reward_fn(text, ex)),
                                     p, c.versions, c.finish_reason, ex))
             groups.append(group)
         return groups
@@ -552,6 +570,16 @@ def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, c
         raise ValueError(f"an eval prompt has {max(map(len, prompts))} tokens, over rollout.max_prompt_tokens="
                          f"{max_prompt_tokens}")
     comps = engine.generate([p for p in prompts for _ in range(n)], sampling, seed=seed)
-    rewards = [[float(reward_fn(tokenizer.decode(c.token_ids, skip_special_tokens=True), ex["label"]))
+    rewards = [[float(reward_fn(tokenizer.decode(c.token_ids, skip_special_tokens=True), ex))
                 for c in comps[i * n:(i + 1) * n]] for i, ex in enumerate(examples)]
     return eval_metrics(rewards, ks=tuple(k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n))
+
+
+def make_engine(rollout, model_dir, device, *, dsa, seed: int):
+    """The generator's engine (rollout.engine) on this process's generator device, holding a copy of
+    model_dir. rollout: the config's rollout section; dsa: model.dsa."""
+    if rollout.engine == "sglang":  # SGLang missing, a CPU device or a DSA model: one line naming the problem
+        return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
+                            mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None)
+    model = GLM.from_pretrained(model_dir, dsa=dsa, device=device)
+    return TorchEngine(model, max_batch=rollout.max_batch, partial_rollout=rollout.partial_rollout)

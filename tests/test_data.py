@@ -4,14 +4,17 @@ import itertools
 import json
 import math
 import random
+import sys
+import textwrap
 import threading
 import time
+import tracemalloc
 
 import pytest
 
 import data
-from data import (PromptStream, eval_metrics, load_jsonl, make_tiny_tokenizer, math_reward,
-                  pack_by_tokens, pass_at_k, render_prompt, split_across_ranks, synthetic_task)
+from data import (PromptStream, eval_metrics, load_jsonl, load_reward, make_tiny_tokenizer, math_reward,
+                  pack_by_tokens, pass_at_k, prompt_lengths, render_prompt, split_across_ranks, synthetic_task)
 
 
 def box(x):
@@ -32,12 +35,23 @@ def test_load_jsonl_ok(tmp_path):
     p = write(tmp_path, '{"prompt": "2+2?", "label": 4, "extra": 1}\n\n'
                         + json.dumps({"prompt": msgs, "label": "\\frac{1}{2}"}) + "\n")
     ex = load_jsonl(p)
-    assert ex == [{"prompt": "2+2?", "label": "4"}, {"prompt": msgs, "label": "\\frac{1}{2}"}]
+    # every field kept (a reward may need it), the label as a string
+    assert ex == [{"prompt": "2+2?", "label": "4", "extra": 1}, {"prompt": msgs, "label": "\\frac{1}{2}"}]
 
 
 def test_load_jsonl_custom_keys(tmp_path):
-    p = write(tmp_path, '{"problem": "q", "answer": "7"}\n')
-    assert load_jsonl(p, prompt_key="problem", label_key="answer") == [{"prompt": "q", "label": "7"}]
+    p = write(tmp_path, '{"problem": "q", "answer": 7, "level": [1, 2]}\n')
+    assert load_jsonl(p, prompt_key="problem", label_key="answer") == [
+        {"problem": "q", "answer": 7, "level": [1, 2], "prompt": "q", "label": "7"}]
+
+
+def test_load_jsonl_response_key(tmp_path):
+    p = write(tmp_path, '{"prompt": "1+1=", "label": "2", "response": "\\\\boxed{2}"}\n')
+    assert load_jsonl(p, response_key="response") == [
+        {"prompt": "1+1=", "label": "2", "response": "\\boxed{2}", "solution": "\\boxed{2}"}]
+    assert load_jsonl(p) == [{"prompt": "1+1=", "label": "2", "response": "\\boxed{2}"}]  # no solution asked
+    p = write(tmp_path, '{"prompt": "1+1=", "label": "2", "solution": "so 2"}\n')
+    assert load_jsonl(p, response_key="solution") == [{"prompt": "1+1=", "label": "2", "solution": "so 2"}]
 
 
 @pytest.mark.parametrize("text, lineno, needle", [
@@ -54,6 +68,74 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path, text, lineno, needle):
     with pytest.raises(ValueError) as e:
         load_jsonl(p)
     assert str(e.value).startswith(f"{p}:{lineno}: ") and needle in str(e.value)
+
+
+@pytest.mark.parametrize("text, kwargs, lineno, message", [
+    # a copied key must not overwrite a field of the same name
+    ('{"problem": "q", "prompt": "other", "label": "1"}\n', {"prompt_key": "problem"}, 1,
+     "has both 'problem' (the prompt_key) and a 'prompt' field; copying 'problem' to 'prompt' would overwrite it, "
+     "so rename one of them"),
+    ('{"prompt": "q", "label": "1"}\n{"prompt": "q", "answer": "1", "label": "1"}\n', {"label_key": "answer"}, 1,
+     "missing key 'answer' (keys present: ['label', 'prompt'])"),
+    ('{"prompt": "q", "answer": "1", "label": "1"}\n', {"label_key": "answer"}, 1,
+     "has both 'answer' (the label_key) and a 'label' field; copying 'answer' to 'label' would overwrite it, "
+     "so rename one of them"),
+    ('{"prompt": "q", "label": "1", "response": "r", "solution": "s"}\n', {"response_key": "response"}, 1,
+     "has both 'response' (the response_key) and a 'solution' field; copying 'response' to 'solution' would "
+     "overwrite it, so rename one of them"),
+    # the supervised stage needs a string response in every object
+    ('{"prompt": "q", "label": "1", "response": "r"}\n{"prompt": "q", "label": "1"}\n', {"response_key": "response"},
+     2, "missing key 'response' (keys present: ['label', 'prompt'])"),
+    ('{"prompt": "q", "label": "1", "response": 3}\n', {"response_key": "response"}, 1,
+     "'response' must be a string (the reference response), got int"),
+])
+def test_load_jsonl_key_errors(tmp_path, text, kwargs, lineno, message):
+    p = write(tmp_path, text)
+    with pytest.raises(ValueError) as e:
+        load_jsonl(p, **kwargs)
+    assert str(e.value) == f"{p}:{lineno}: {message}"
+
+
+def test_load_jsonl_bad_utf8(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(b'{"prompt": "a", "label": "1"}\n{"prompt": "\xff", "label": "1"}\n')
+    with pytest.raises(ValueError) as e:
+        load_jsonl(p)
+    assert str(e.value) == (f"{p}:2: not valid UTF-8 (byte 0xff at byte offset 12 of the line); "
+                            "expected UTF-8 JSON text")
+    p.write_bytes('{"prompt": "é ∑ 数", "label": "1"}\r\n'.encode())  # real UTF-8 and CRLF are fine
+    assert load_jsonl(p) == [{"prompt": "é ∑ 数", "label": "1"}]
+
+
+def test_load_jsonl_line_limit(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "MAX_LINE_BYTES", 40)
+    fits = '{"prompt": "%s", "label": "1"}' % ("x" * 12)  # exactly 40 bytes
+    assert len(fits) == 40
+    p = write(tmp_path, fits + "\n" + fits)  # at the limit, with and without a final newline
+    assert len(load_jsonl(p)) == 2
+    p = write(tmp_path, fits + "\n\n" + fits.replace("xx", "xxx") + "\n" + fits + "\n")
+    with pytest.raises(ValueError) as e:
+        load_jsonl(p)
+    assert str(e.value) == (f"{p}:3: line is longer than 40 bytes (data.MAX_LINE_BYTES); expected one JSON "
+                            "object per line, is this a JSONL file?")
+
+
+def test_load_jsonl_huge_line_is_not_read_whole(tmp_path):
+    p = tmp_path / "huge.jsonl"
+    with open(p, "wb") as f:
+        f.write(b'{"prompt": "a", "label": "1"}\n{"prompt": "')
+        for _ in range(40):
+            f.write(b"x" * 2**20)  # a 40 MiB line
+        f.write(b'", "label": "1"}\n')
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError) as e:
+            load_jsonl(p)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(e.value).startswith(f"{p}:2: line is longer than 8 MiB (data.MAX_LINE_BYTES)")
+    assert peak < 24 * 2**20  # readline's 8 MiB (twice while it joins chunks), not the 40 MiB line
 
 
 def test_load_jsonl_empty_and_missing(tmp_path):
@@ -129,6 +211,16 @@ def test_render_prompt_without_template():
         render_prompt(t, "1+1=")
 
 
+def test_prompt_lengths(tok):
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "1+1="}]
+    examples = [{"prompt": "12+7=", "label": "19"}, {"prompt": msgs, "label": "2"}]
+    # <|user|> 1 2 + 7 = <|assistant|>  and  <|system|> s <|user|> 1 + 1 = <|assistant|>
+    assert prompt_lengths(tok, examples, chat_template=True) == [7, 8]
+    assert prompt_lengths(tok, examples, True) == [len(render_prompt(tok, e["prompt"])) for e in examples]
+    assert prompt_lengths(tok, examples[:1], chat_template=False) == [5] == [len(tok.encode("12+7="))]
+    assert prompt_lengths(tok, [], True) == []
+
+
 def test_tiny_tokenizer_reload(tmp_path, tok):
     from transformers import AutoTokenizer
     make_tiny_tokenizer(tmp_path / "tok")
@@ -152,7 +244,7 @@ def test_synthetic_task():
         assert len(e["prompt"]) <= 16 and len(e["solution"]) <= 16
         assert e["solution"].endswith(f"\\boxed{{{e['label']}}}")
         assert str(eval(e["prompt"][:-1])) == e["label"]
-        assert math_reward(e["solution"], e["label"]) == 1.0
+        assert math_reward(e["solution"], e) == 1.0
     with pytest.raises(ValueError, match="split"):
         synthetic_task(1, 0, split="valid")
 
@@ -231,7 +323,17 @@ GRADING_CASES = [
 
 @pytest.mark.parametrize("response, label, expected", GRADING_CASES)
 def test_math_reward_table(response, label, expected):
-    assert math_reward(response, label) == expected
+    assert math_reward(response, {"prompt": "p", "label": label}) == expected
+
+
+def test_math_reward_called_with_a_label_raises():
+    # the old call math_reward(text, label) must fail loudly, not score every response 0
+    with pytest.raises(TypeError) as e:
+        math_reward(box("4"), "4")
+    assert str(e.value) == ("math_reward(response, example): example must be a dict with a 'label' key "
+                            "(the whole example, not its label), got str")
+    with pytest.raises(TypeError, match=r"got a dict with keys \['prompt'\]"):
+        math_reward(box("4"), {"prompt": "2+2="})
 
 
 @pytest.mark.parametrize("answer", [
@@ -241,16 +343,17 @@ def test_math_reward_table(response, label, expected):
 ])
 def test_math_reward_pathological_inputs_are_fast(answer):
     t = time.time()
-    assert math_reward(box(answer), "5") == 0.0
+    assert math_reward(box(answer), {"label": "5"}) == 0.0
     assert time.time() - t < 1.0
 
 
 def test_math_reward_huge_response_is_fast():
     t = time.time()
-    assert math_reward("blah " * 20000 + box("42"), "42") == 1.0
-    assert math_reward("{" * 100_000, "42") == 0.0
-    assert math_reward("\\boxed{" + "{" * 50_000 + "}" * 50_000 + "}", "42") == 0.0
-    assert math_reward("\\boxed{" + "x" * 100_000 + "}", "42") == 0.0
+    ex = {"label": "42"}
+    assert math_reward("blah " * 20000 + box("42"), ex) == 1.0
+    assert math_reward("{" * 100_000, ex) == 0.0
+    assert math_reward("\\boxed{" + "{" * 50_000 + "}" * 50_000 + "}", ex) == 0.0
+    assert math_reward("\\boxed{" + "x" * 100_000 + "}", ex) == 0.0
     assert time.time() - t < 2.0
 
 
@@ -258,7 +361,7 @@ def test_math_reward_in_background_thread():
     # math-verify's own timeouts use signal.alarm, which raises outside the main thread; ours must not.
     results = []
     cases = [(box("\\frac{\\sqrt{8}}{2}"), "\\sqrt{2}", 1.0), (box("2\\pi"), "\\pi", 0.0), (box("7"), "7", 1.0)]
-    worker = threading.Thread(target=lambda: results.extend(math_reward(r, l) for r, l, _ in cases))
+    worker = threading.Thread(target=lambda: results.extend(math_reward(r, {"label": l}) for r, l, _ in cases))
     worker.start()
     worker.join(30)
     assert results == [e for _, _, e in cases]
@@ -268,11 +371,157 @@ def test_math_reward_deadline(monkeypatch):
     monkeypatch.setattr(data, "SYMBOLIC_TIMEOUT_S", 0.05)
     monkeypatch.setattr(data, "_symbolic_equal", lambda a, b: time.sleep(0.5) or True)
     t = time.time()
-    assert math_reward(box("\\sqrt{4}"), "2") == 0.0  # too slow counts as wrong
+    assert math_reward(box("\\sqrt{4}"), {"label": "2"}) == 0.0  # too slow counts as wrong
     assert time.time() - t < 0.4
     monkeypatch.setattr(data, "MAX_STUCK_CHECKS", 1)  # the sleeping check is still stuck
-    assert math_reward(box("\\sqrt{9}"), "3") == 0.0
-    assert math_reward(box("3"), "3") == 1.0  # string matches never need the symbolic path
+    assert math_reward(box("\\sqrt{9}"), {"label": "3"}) == 0.0
+    assert math_reward(box("3"), {"label": "3"}) == 1.0  # string matches never need the symbolic path
+
+
+# -----------------------------------------------------------------------------
+# The reward hook
+
+@pytest.fixture
+def modules(tmp_path, monkeypatch):
+    """Write reward modules into a fresh working directory; sys.path and sys.modules are restored after."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(work))])
+    before = set(sys.modules)
+
+    def write_module(name, source, folder=work):
+        (folder / f"{name}.py").write_text(textwrap.dedent(source))
+        return folder / f"{name}.py"
+
+    yield write_module
+    for name in set(sys.modules) - before:  # only the modules written here, so the next test re-imports
+        if str(tmp_path) in str(getattr(sys.modules[name], "__file__", None)):
+            del sys.modules[name]
+
+
+def reward_error(spec):
+    with pytest.raises(ValueError) as e:
+        load_reward(spec)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_load_reward_default():
+    assert load_reward("data:math_reward") is math_reward
+
+
+def test_load_reward_from_working_directory(modules, tmp_path):
+    modules("my_rewards", """
+        def length_penalty(response, example, scale=0.01):
+            return -scale * len(response)
+    """)
+    assert str(tmp_path / "work") not in sys.path
+    fn = load_reward("my_rewards:length_penalty")
+    assert fn("abcd", {"prompt": "p", "label": "l"}) == pytest.approx(-0.04)
+    assert str(tmp_path / "work") in sys.path
+
+
+def test_load_reward_from_repository_root(modules, tmp_path, monkeypatch):
+    # python train.py from another directory: files beside data.py must still be importable
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    modules("repo_rewards", "def always(response, example):\n    return 1.0\n", folder=repo)
+    monkeypatch.setattr(data, "__file__", str(repo / "data.py"))
+    assert load_reward("repo_rewards:always")("x", {"label": "y"}) == 1.0
+
+
+def test_load_reward_extra_field_reaches_the_reward(modules, tmp_path):
+    modules("graded", """
+        from data import math_reward
+
+        def by_difficulty(response, example):
+            return math_reward(response, example) * {"easy": 0.5, "hard": 2.0}[example["difficulty"]]
+    """)
+    p = write(tmp_path, '{"prompt": "1+1=", "label": 2, "difficulty": "easy"}\n'
+                        '{"prompt": "9*9=", "label": "81", "difficulty": "hard"}\n')
+    easy, hard = load_jsonl(p)
+    fn = load_reward("graded:by_difficulty")
+    assert [fn(box("2"), easy), fn(box("81"), hard), fn(box("80"), hard)] == [0.5, 2.0, 0.0]
+
+
+@pytest.mark.parametrize("spec", ["data.math_reward", "", ":math_reward", "data:", "data:math:reward",
+                                  "my rewards:f", "data:math-reward", ".rel:f", None])
+def test_load_reward_malformed(spec):
+    assert reward_error(spec) == (f'data.reward: {spec!r}: expected "module:function", e.g. "data:math_reward" '
+                                  'or "my_rewards:length_penalty"')
+
+
+def test_load_reward_module_not_found(modules):
+    msg = reward_error("no_such_rewards:f")
+    assert msg.startswith("data.reward: 'no_such_rewards:f': no module named 'no_such_rewards' (searched the "
+                          "working directory ")
+    assert reward_error("no_such_pkg.sub:f").startswith("data.reward: 'no_such_pkg.sub:f': no module named "
+                                                          "'no_such_pkg' ")
+
+
+def test_load_reward_module_fails_on_import(modules):
+    modules("broken", "raise RuntimeError('bad config\\nsecond line')\n")
+    assert reward_error("broken:f") == ("data.reward: 'broken:f': importing broken failed: RuntimeError: "
+                                        "bad config second line")
+    # a module that exists but imports a missing dependency is an import failure, not "not found"
+    modules("needs_dep", "import no_such_dependency_xyz\n")
+    assert reward_error("needs_dep:f") == ("data.reward: 'needs_dep:f': importing needs_dep failed: "
+                                           "ModuleNotFoundError: No module named 'no_such_dependency_xyz'")
+    modules("typo", "def f(response, example)\n    return 1.0\n")
+    msg = reward_error("typo:f")  # the wording of SyntaxError varies between Python versions
+    assert msg.startswith("data.reward: 'typo:f': importing typo failed: SyntaxError: ")
+    assert msg.endswith(" (typo.py, line 1)")
+
+
+def test_load_reward_no_such_function(modules):
+    path = modules("my_rewards", """
+        THRESHOLD = 3
+
+        def length_penalty(response, example):
+            return 0.0
+
+        def format_bonus(response, example):
+            return 0.0
+
+        def _private(response, example):
+            return 0.0
+    """)
+    assert reward_error("my_rewards:lenght_penalty") == (
+        f"data.reward: 'my_rewards:lenght_penalty': module my_rewards ({path}) has no function 'lenght_penalty'; "
+        "did you mean 'length_penalty'?")
+    assert reward_error("my_rewards:accuracy") == (
+        f"data.reward: 'my_rewards:accuracy': module my_rewards ({path}) has no function 'accuracy'; "
+        "it has: format_bonus, length_penalty")
+    assert reward_error("my_rewards:THRESHOLD") == ("data.reward: 'my_rewards:THRESHOLD': my_rewards.THRESHOLD "
+                                                    "is a int, not a function")
+
+
+@pytest.mark.parametrize("source, ok", [
+    ("def f(response, example): return 0.0", True),
+    ("def f(response, example, scale=1.0): return 0.0", True),
+    ("def f(*args, **kwargs): return 0.0", True),
+    ("f = lambda text, ex: 0.0", True),
+    ("class F:\n    def __call__(self, response, example): return 0.0\nf = F()", True),
+    ("def f(response): return 0.0", False),  # the old (response, label) callers would pass; examples would not
+    ("def f(response, example, tokenizer): return 0.0", False),
+    ("def f(*, response, example): return 0.0", False),
+])
+def test_load_reward_signature(modules, source, ok):
+    modules("sig_rewards", source + "\n")
+    if ok:
+        assert callable(load_reward("sig_rewards:f"))
+    else:
+        msg = reward_error("sig_rewards:f")
+        assert msg.startswith("data.reward: 'sig_rewards:f': sig_rewards.f(") and \
+            ") cannot be called as f(response_text, example): " in msg
+
+
+def test_load_reward_signature_message(modules):
+    modules("sig_rewards", "def f(response, example, tokenizer):\n    return 0.0\n")
+    assert reward_error("sig_rewards:f") == (
+        "data.reward: 'sig_rewards:f': sig_rewards.f(response, example, tokenizer) cannot be called as "
+        "f(response_text, example): missing a required argument: 'tokenizer'")
 
 
 # -----------------------------------------------------------------------------

@@ -116,7 +116,7 @@ def make_generator(max_staleness, reward_fn=None, dynamic=False, n=2, engine=Non
     return Generator(engine, PromptStream(examples, seed=0), tok, prompts_per_step=2, n=n,
                      sampling=SamplingParams(max_new_tokens=4, stop_token_ids=(tok.eos_token_id,)),
                      max_staleness=max_staleness, dynamic_sampling=dynamic, chat_template=True,
-                     max_prompt_tokens=32, reward_fn=reward_fn or (lambda text, label: 0.0))
+                     max_prompt_tokens=32, reward_fn=reward_fn or (lambda text, example: 0.0))
 
 
 def tiny_model_for(tok):
@@ -146,7 +146,8 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills():
     # prompts "0+1=".."9+1=": labels 3 and 5 get all-zero groups, the others one right answer in two
     seen = {}
 
-    def reward(text, label):
+    def reward(text, example):
+        label = example["label"]
         seen[label] = seen.get(label, 0) + 1
         return float(label not in ("3", "5") and seen[label] % 2 == 0)
 
@@ -167,7 +168,7 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills():
 
 
 def test_generator_error_surfaces_at_once():
-    def boom(text, label):
+    def boom(text, example):
         raise ZeroDivisionError("grader exploded")
 
     gen = make_generator(1, reward_fn=boom)
@@ -241,7 +242,7 @@ def test_evaluate_reports_accuracy_and_pass_at_k():
     examples = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
     calls = iter([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     m = evaluate(engine, examples, tok, n=4, sampling=SamplingParams(max_new_tokens=3), chat_template=True,
-                 max_prompt_tokens=32, reward_fn=lambda text, label: next(calls))
+                 max_prompt_tokens=32, reward_fn=lambda text, example: next(calls))
     assert m["accuracy"] == pytest.approx(1 / 8) and m["pass@4"] == pytest.approx(0.5)
     assert m["pass@1"] == pytest.approx(1 / 8)
 

@@ -20,8 +20,11 @@ import pytest
 import torch
 import yaml
 
+import checkpoint
+import config
 import data
 import grpo
+import parallel
 import train
 from model import GLM, GLMConfig
 from rollout import RolloutBatch, Sample, SamplingParams, TorchEngine
@@ -37,133 +40,6 @@ FAST = ["model.init.hidden_size=32", "model.init.intermediate_size=64", "model.i
         "train.warmup_batch_size=16", "rollout.prompts_per_step=4", "rollout.n=4", "train.eval_every=2",
         "train.eval_n=2", "data.eval_size=8", "train.save_every=2", "train.keep_checkpoints=20",
         "optim.warmup_steps=2"]
-
-
-# ----------------------------------------------------------------------------- config
-
-
-def write_yaml(tmp_path, text):
-    path = tmp_path / "c.yaml"
-    path.write_text(text)
-    return str(path)
-
-
-def test_unknown_key_names_key_and_suggestion(tmp_path):
-    path = write_yaml(tmp_path, "model:\n  init: {hidden_size: 8}\nrollout:\n  temprature: 0.5\n")
-    with pytest.raises(train.ConfigError) as e:
-        train.load_config(path)
-    assert str(e.value) == f"{path}: unknown key rollout.temprature (did you mean rollout.temperature?)"
-    with pytest.raises(train.ConfigError, match=r"^command line: unknown key optim\.lrr \(did you mean optim\.lr\?\)$"):
-        train.load_config(TINY, ["optim.lrr=0.1"])
-    with pytest.raises(train.ConfigError, match="unknown key zzz_qqq$"):  # nothing close: no suggestion
-        train.load_config(TINY, ["zzz_qqq=1"])
-    with pytest.raises(train.ConfigError, match=r"unknown key model\.init\.hiden_size \(did you mean model\.init\.hidden_size\?\)"):
-        train.load_config(TINY, ["model.init.hiden_size=8"])
-
-
-@pytest.mark.parametrize("override, message", [
-    ("rollout.n=abc", "rollout.n must be int, got 'abc'"),
-    ("rollout.n=true", "rollout.n must be int, got True"),
-    ("rollout.n=2.5", "rollout.n must be int, got 2.5"),
-    ("rollout.temperature=hot", "rollout.temperature must be float, got 'hot'"),
-    ("rollout.chat_template=1", "rollout.chat_template must be bool, got 1"),
-    ("model.path=3", "model.path must be str or null, got 3"),
-    ("optim.betas=0.9", "optim.betas must be list, got 0.9"),
-    ("rollout=3", "rollout must be a mapping of keys, got 3"),
-    ("rollout.n.x=3", "rollout.n.x: n is not a mapping"),
-    ("rollout.temperature=0", "rollout.temperature must be > 0"),
-    ("grpo.agg=mean", "grpo.agg must be one of"),
-    ("grpo.old_logp=recompute", "grpo.old_logp was removed: pi_old is now the learner's own forward"),
-    ("rollout.top_p=0.9", "rollout.top_p was removed: RL samples from the full tempered distribution"),
-    ("grpo.icepop_beta=0.5", "grpo.icepop_beta must be > 1"),
-    ("grpo.tis_cap=0", "grpo.tis_cap must be > 0"),
-    ("optim.max_skipped_steps=0", "optim.max_skipped_steps must be >= 1"),
-    ("model.path=/some/dir", "set exactly one of model.path and model.init"),
-    ("model.init.vocab_size=10", "model.init must not set ['vocab_size']"),
-    ("model.init.num_kv_heads=3", "num_heads (4) must be a multiple of num_kv_heads (3)"),
-    ("model.dsa.pattern=SF", "dsa.pattern must be a string of F/S starting with F"),
-    ("model.dsa.top_k=8", "unknown dsa key(s) ['top_k']"),
-])
-def test_bad_values_fail_with_the_key(override, message):
-    with pytest.raises(train.ConfigError) as e:
-        train.load_config(TINY, [override])
-    assert message in str(e.value) and "\n" not in str(e.value)
-
-
-def test_overrides_and_yaml_number_forms(tmp_path):
-    cfg = train.load_config(TINY, ["run_dir=/tmp/x", "optim.lr=1e-6", "rollout.temperature=1", "model.init.num_layers=5",
-                                   "grpo.tis_cap=2", "grpo.icepop_beta=null", "optim.betas=[0.8, 0.9]"])
-    assert cfg.run_dir == "/tmp/x"
-    assert cfg.optim.lr == 1e-6 and isinstance(cfg.optim.lr, float)  # YAML reads "1e-6" as a string
-    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
-    assert cfg.model.init["num_layers"] == 5 and cfg.model.init["hidden_size"] == 96  # the rest of init kept
-    assert cfg.grpo.tis_cap == 2.0 and cfg.grpo.icepop_beta is None and cfg.optim.betas == [0.8, 0.9]
-    assert train.load_config(write_yaml(tmp_path, "model: {init: {}}\n")).rollout.n == 8  # defaults fill in
-
-
-def yaml_keys(d, prefix=""):
-    keys = []
-    for k, v in d.items():
-        name = prefix + k
-        keys += yaml_keys(v, name + ".") if isinstance(v, dict) and name not in DICT_KEYS else [name]
-    return keys
-
-
-@pytest.mark.parametrize("path", [TINY, GLM9B])
-def test_yaml_has_every_key_and_documents_it(path):
-    with open(path) as f:
-        raw = yaml.safe_load(f)
-    assert sorted(yaml_keys(raw)) == sorted(train.config_keys()), "YAML keys and Config fields differ"
-    train.load_config(path)  # and it validates
-    lines = open(path).read().splitlines()
-    for i, line in enumerate(lines):  # every key line has a comment, on it or just above it
-        if re.match(r"^\s*[A-Za-z_]\w*:", line):
-            above = lines[i - 1].strip() if i else ""
-            assert "#" in line or above.startswith("#"), f"{path}:{i + 1}: key without a comment: {line.strip()}"
-
-
-def test_every_key_is_read():
-    """train.py reads every key; the grpo section is the objective's own GRPOConfig, read in grpo.py too."""
-    src = {name: open(os.path.join(ROOT, name)).read() for name in ("train.py", "grpo.py")}
-    for key in train.config_keys():
-        where = ("train.py", "grpo.py") if key.startswith("grpo.") else ("train.py",)
-        assert any(re.search(rf"\.{key.rpartition('.')[2]}\b", src[w]) for w in where), f"nothing in {where} reads {key}"
-
-
-def test_glm9b_recipe_numbers():
-    cfg = train.load_config(GLM9B)
-    r, g, o, t = cfg.rollout, cfg.grpo, cfg.optim, cfg.train
-    assert cfg.model.path.endswith("GLM-Z1-9B-0414") and cfg.data.train.endswith("dapo-math-17k.jsonl")
-    assert (r.prompts_per_step, r.n, r.temperature, r.max_new_tokens) == (32, 8, 1.0, 8192)
-    assert (g.eps_low, g.eps_high, g.agg, g.kl_coef, g.icepop_beta) == (0.2, 0.28, "seq-mean-token-mean", 0.0, 2.0)
-    assert (o.lr, o.weight_decay, o.betas, o.max_tokens_per_micro_batch) == (1e-6, 0.1, [0.9, 0.98], 4608)
-    assert (t.eval_every, t.eval_n, t.eval_max_new_tokens) == (20, 16, 16384)
-
-
-def test_dry_run_prints_the_9b_memory_plan():
-    p = subprocess.run([sys.executable, "train.py", "--config", GLM9B, "--dry-run"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert "9.40B parameters" in p.stdout and "learner GPU (fsdp over 4)" in p.stdout
-    assert p.stdout.count("fits in 74.5 GiB") == 2  # learner and generator
-    p = subprocess.run([sys.executable, "train.py", "--config", GLM9B, "--dry-run", "train.parallel=ddp"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "does NOT fit" in p.stdout
-    assert p.stderr.startswith("error: does not fit on H100s: learner GPU (ddp over 4)") and "train.parallel: fsdp" in p.stderr
-
-
-def test_sglang_engine_on_cpu_fails_before_training(tmp_path):
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "rollout.engine=sglang"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: rollout.engine: sglang runs on a CUDA")
-    assert not os.path.exists(tmp_path / "r" / "metrics.jsonl")  # nothing trained
-
-
-def test_cli_config_error_is_one_line():
-    p = subprocess.run([sys.executable, "train.py", "rollout.temprature=1"], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode != 0
-    assert p.stderr.strip().splitlines() == [
-        f"error: command line: unknown key rollout.temprature (did you mean rollout.temperature?)"]
 
 
 # ----------------------------------------------------------------------------- learner vs generator
@@ -215,7 +91,7 @@ def make_batch(prompts, comps, versions, n=2):
 
 def rl_setup(model, **overrides):
     overrides = {"rollout.temperature": 0.7} | overrides
-    cfg = train.load_config(TINY, [f"{k}={v}" for k, v in overrides.items()])
+    cfg = config.load_config(TINY, [f"{k}={v}" for k, v in overrides.items()])
     return cfg, torch.optim.AdamW(p for n, p in model.named_parameters() if ".indexer." not in n), grpo.KLGuard()
 
 
@@ -263,7 +139,7 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing(rollouts):
 
 
 def test_skips_in_a_row_stop_with_one_line():
-    skips = train.Skips(limit=3)
+    skips = parallel.Skips(limit=3)
     for step in range(1, 3):
         skips.update("rl", step, {"train/skipped": 1.0, "train/loss": float("nan"), "train/grad_norm": 1.0})
     skips.update("rl", 3, {"train/skipped": 0.0})  # a good step resets the run
@@ -361,7 +237,7 @@ def test_metrics_one_line_per_step(async_run):
     rows = metrics(async_run)
     assert [(r["stage"], r["step"]) for r in rows] == EXPECTED_STEPS
     rl = [r for r in rows if r["stage"] == "rl"]
-    assert [r["step"] for r in rl if "eval/accuracy" in r] == [0, 2, 4]
+    assert [r["step"] for r in rl if "eval/synthetic/accuracy" in r] == [0, 2, 4]
     for r in rl[1:]:
         for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/lr", "train/clip_frac_high", "rollout/reward",
                     "rollout/response_len", "staleness/max", "staleness/dropped", "perf/tokens_per_s",
@@ -384,7 +260,7 @@ def test_sync_mode_is_on_policy(sync_run):
 
 
 def test_checkpoints_are_model_directories(async_run):
-    ckpts = train.checkpoints(async_run)
+    ckpts = checkpoint.checkpoints(async_run)
     assert [os.path.basename(c) for c in ckpts] == ["step_000002", "step_000004", "step_000006", "step_000008", "step_000010"]
     model = GLM.from_pretrained(ckpts[-1])
     assert model.cfg.dsa is not None and model.cfg.dsa.topk == 8
@@ -414,7 +290,7 @@ def test_resume_after_kill_continues_exactly(sync_run, tmp_path):
     everything is seeded, the same losses and eval numbers."""
     run_dir = str(tmp_path / "killed")
     proc = run_train(run_dir, "rollout.max_staleness=0", wait=False)
-    wait_for(lambda: train.checkpoints(run_dir), proc)
+    wait_for(lambda: checkpoint.checkpoints(run_dir), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
@@ -424,12 +300,12 @@ def test_resume_after_kill_continues_exactly(sync_run, tmp_path):
     got, want = metrics(run_dir), metrics(sync_run)
     assert [(r["stage"], r["step"]) for r in got] == EXPECTED_STEPS
     for a, b in zip(got, want):
-        for key in ("train/loss", "train/indexer_kl", "rollout/reward", "eval/accuracy", "train/grad_norm"):
+        for key in ("train/loss", "train/indexer_kl", "rollout/reward", "eval/synthetic/accuracy", "train/grad_norm"):
             assert (key in a) == (key in b)
             if key in a:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["stage"], a["step"], key)
-    state = torch.load(os.path.join(train.checkpoints(run_dir)[-1], "state.pt"), weights_only=False)
-    assert state["ranks"][0]["stream"] == torch.load(os.path.join(train.checkpoints(sync_run)[-1], "state.pt"),
+    state = torch.load(os.path.join(checkpoint.checkpoints(run_dir)[-1], "state.pt"), weights_only=False)
+    assert state["ranks"][0]["stream"] == torch.load(os.path.join(checkpoint.checkpoints(sync_run)[-1], "state.pt"),
                                                      weights_only=False)["ranks"][0]["stream"]
 
 
@@ -439,8 +315,10 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
              any(r["stage"] == "rl" and r["step"] > 1 for r in metrics(run_dir)), proc)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)  # the generator thread was stopped and joined
-    assert proc.returncode == 1 and "interrupted; continue with" in err
+    _, err = proc.communicate(timeout=60)  # the generator thread was stopped and joined
+    assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
+    assert f"stopped by SIGINT after rl step" in err and f"continue with: python train.py --resume run_dir={run_dir}" in err
+    assert "Traceback" not in err
     assert not [d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.startswith(".")]
     for line in open(os.path.join(run_dir, "metrics.jsonl")):
         json.loads(line)  # no half-written line
@@ -459,24 +337,190 @@ def test_a_blown_up_run_stops_with_one_line_and_clean_checkpoints(tmp_path):
         assert "Traceback" not in p.stderr
     rows = [r for r in metrics(run_dir) if r["stage"] == "rl"]
     assert any(r.get("train/skipped") for r in rows) or p.returncode  # skipped steps are counted
-    for ckpt in train.checkpoints(run_dir):
+    for ckpt in checkpoint.checkpoints(run_dir):
         for name, t in GLM.from_pretrained(ckpt).state_dict().items():
             assert torch.isfinite(t).all(), (ckpt, name)
 
 
 def test_every_optional_path_runs(tmp_path):
     """KL loss with a frozen reference and the KL guard, TIS + IcePop + dual clip, entropy bonus,
-    dynamic sampling, aborting instead of partial rollouts, token-mean."""
+    dynamic sampling, partial rollouts (weights landing mid-batch), token-mean."""
     run_dir = str(tmp_path / "options")
     run_train(run_dir, "grpo.kl_coef=0.01", "grpo.kl_guard=true", "grpo.kl_guard_threshold=1e-9", "grpo.tis_cap=2",
               "grpo.dual_clip=3", "grpo.entropy_coef=0.01", "grpo.agg=token-mean",
-              "rollout.dynamic_sampling=true", "rollout.partial_rollout=false", "train.dsa_warmup_steps=0")
+              "rollout.dynamic_sampling=true", "rollout.partial_rollout=true", "train.dsa_warmup_steps=0")
     rl = [r for r in metrics(run_dir) if r["stage"] == "rl" and r["step"] > 0]
     assert len(rl) == 4 and os.path.isfile(os.path.join(run_dir, "reference", "config.json"))
     assert all("train/kl" in r and "train/is_weight_mean" in r and "train/dual_clip_frac" in r for r in rl)
     assert rl[-1]["kl_guard/fired"] == 1.0 and rl[-1]["kl_guard/scale"] < 1.0  # any KL is above a 1e-9 threshold
     assert rl[-1]["train/lr"] == pytest.approx(5e-4 * rl[-1]["kl_guard/scale"])  # the guard brakes the lr
     assert all("train/logp_diff_max" in r and "train/mismatch_k3" in r and "train/icepop_masked_frac" in r for r in rl)
+
+
+# ----------------------------------------------------------------------------- a run you can trust
+
+TIMES = ("time/", "perf/", "rollout/gen_s", "rollout/gen_tokens_per_s")  # wall-clock figures: the only keys that may differ
+
+
+def without_times(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMES)} for r in rows]
+
+
+def final_weights(run_dir):
+    return GLM.from_pretrained(checkpoint.checkpoints(run_dir)[-1]).state_dict()
+
+
+def assert_same_run(run_dir, reference):
+    """Bit-identical metrics (times aside) and final weights."""
+    assert without_times(metrics(run_dir)) == without_times(metrics(reference))
+    a, b = final_weights(run_dir), final_weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_same_seed_runs_are_identical(async_run, tmp_path):
+    """The default async mode (one step off-policy, DSA stages included) is reproducible: weights reach the
+    generator between batches, so batch i is sampled wholly by version i - 1, and every kernel is
+    deterministic."""
+    run_dir = str(tmp_path / "again")
+    run_train(run_dir, "rollout.max_staleness=1")
+    assert_same_run(run_dir, async_run)
+
+
+def test_kill_anywhere_and_resume_is_exact(async_run, tmp_path):
+    """SIGKILL at random moments across all stages (seeded), --resume after each, in the default async
+    mode: the run ends exactly as the uninterrupted one (metrics and weights)."""
+    import random
+    rng, run_dir, kills = random.Random(0), str(tmp_path / "killed"), 0
+    while kills < 5:
+        proc = run_train(run_dir, "rollout.max_staleness=1", resume=kills > 0, wait=False)
+        try:
+            proc.wait(timeout=rng.uniform(3.0, 9.0))  # import + start-up take ~3 s; a whole run ~12 s
+            break  # finished before the kill
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            kills += 1
+    else:
+        run_train(run_dir, "rollout.max_staleness=1", resume=True)
+    assert proc.returncode in (0, -signal.SIGKILL), proc.stderr.read()[-2000:]
+    assert_same_run(run_dir, async_run)
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(async_run, tmp_path):
+    run_dir = str(tmp_path / "term")
+    proc = run_train(run_dir, "rollout.max_staleness=1", wait=False)
+    wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
+             any(r["stage"] == "rl" and r["step"] == 1 for r in metrics(run_dir)), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
+    stopped = metrics(run_dir)[-1]
+    assert f"stopped by SIGTERM after rl step {stopped['step']}, checkpoint saved" in err
+    state = torch.load(os.path.join(checkpoint.checkpoints(run_dir)[-1], "state.pt"), weights_only=False)
+    assert (state["stage"], state["step"]) == ("rl", stopped["step"])  # saved at the step it stopped after
+    run_train(run_dir, "rollout.max_staleness=1", resume=True)
+    assert_same_run(run_dir, async_run)
+
+
+def test_resume_reads_the_runs_own_config(tmp_path):
+    """--resume continues with run_dir/config.yaml: the recipe file and its defaults do not come back;
+    an override may change only what is safe mid-run, anything else is refused naming both values."""
+    run_dir = str(tmp_path / "own")
+    run_train(run_dir, "rollout.temperature=1.0", "train.rl_steps=2")
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", "--resume", "rollout.temperature=2.0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and p.stderr.strip().splitlines() == [
+        f"error: --resume: rollout.temperature is 1.0 in {run_dir}/config.yaml but 2.0 on the command line; "
+        "a resumed run may change only " + ", ".join(sorted(config.SAFE_ON_RESUME - {"run_dir"}))]
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", "--resume", "train.rl_steps=3"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)  # no FAST: the saved config has it
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows if r["stage"] == "rl"] == [0, 1, 2, 3]
+    saved = config.load_config(os.path.join(run_dir, "config.yaml"))
+    assert saved.rollout.temperature == 1.0 and saved.train.rl_steps == 3 and saved.model.init["hidden_size"] == 32
+
+
+def test_a_run_without_a_checkpoint_restarts_fresh(tmp_path):
+    """Killed before its first checkpoint: a plain start refuses the directory, --resume starts it fresh
+    and says so (the old metrics are dropped, not appended to)."""
+    run_dir = str(tmp_path / "early")
+    args = ("train.dsa_warmup_steps=0", "train.sft_steps=30", "train.rl_steps=0", "train.save_every=1000")
+    proc = run_train(run_dir, *args, wait=False)
+    wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and metrics(run_dir), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not checkpoint.checkpoints(run_dir)
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and "already holds a run; pass --resume to continue it" in p.stderr
+    p = run_train(run_dir, *args, resume=True)
+    assert f"{run_dir} has no checkpoint yet: starting it fresh" in p.stdout
+    assert [(r["stage"], r["step"]) for r in metrics(run_dir)] == [("sft", s) for s in range(1, 31)]
+
+
+def test_overlong_prompts_fail_before_any_work(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "1+1=" * n, "label": "2"}) + "\n" for n in (1, 30, 40)))
+    run_dir = str(tmp_path / "r")
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", f"data.eval={path}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith(
+        f"error: 2 of 3 prompts in {path} are longer than rollout.max_prompt_tokens=32")
+    assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))  # failed before the first stage
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", f"data.train={path}", "train.sft_steps=0",
+                        "train.dsa_warmup_steps=0", "train.rl_steps=1", "rollout.max_prompt_tokens=4"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "none is left to train on" in p.stderr.strip().splitlines()[-1]
+
+
+def test_environment_failures_are_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={blocker}/run"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and p.stderr.strip().splitlines() == [f"error: not a directory: {blocker}/run"]
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "model.init=null",
+                        f"model.path={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1] == \
+        f"error: model.path: {tmp_path}/config.json not found (download the checkpoint first)"  # not sentencepiece advice
+
+
+# ----------------------------------------------------------------------------- hooks: reward, data, eval
+
+REWARD_MODULE = """
+def from_field(response, example):  # the whole JSONL object arrives, extra fields included
+    return example.get("bonus", 0.0)  # the synthetic eval set has no such field
+"""
+
+
+def test_custom_reward_sees_every_jsonl_field(tmp_path):
+    (tmp_path / "my_reward.py").write_text(REWARD_MODULE)
+    rows = [{"question": f"{a}+{a}=", "answer": str(2 * a), "bonus": 0.25, "worked": f"\\boxed{{{2 * a}}}"} for a in range(8)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_dir = str(tmp_path / "r")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, f"run_dir={run_dir}", *FAST,
+                        f"data.train={path}", f"data.eval={{held_out: {path}, arith: synthetic}}", "data.prompt_key=question",
+                        "data.label_key=answer", "data.response_key=worked", "data.reward=my_reward:from_field",
+                        "train.eval_greedy=true"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows if r["stage"] == "sft"] == [1, 2, 3, 4]  # SFT on the file's own responses
+    rl = [r for r in rows if r["stage"] == "rl" and r["step"] > 0]
+    assert all(r["rollout/reward"] == 0.25 for r in rl)  # the field reached the reward
+    last = rows[-1]
+    for key in ("eval/held_out/accuracy", "eval/held_out/greedy_accuracy", "eval/arith/accuracy", "eval/arith/pass@2"):
+        assert key in last, key
+    assert last["eval/held_out/accuracy"] == 0.25 and "final held-out accuracy: held_out/accuracy 25.0%" in p.stdout
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"run_dir={tmp_path / 'x'}",
+                        "data.reward=my_reward:nope"], cwd=tmp_path, capture_output=True, text=True)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: data.reward: 'my_reward:nope'")
+
+
+def test_greedy_eval(tmp_path):
+    run_dir = str(tmp_path / "greedy")
+    run_train(run_dir, "train.eval_temperature=0", "train.dsa_warmup_steps=0", "train.sft_steps=0", "train.rl_steps=1")
+    evals = [r for r in metrics(run_dir) if "eval/synthetic/accuracy" in r]
+    assert len(evals) == 2 and not any("eval/synthetic/pass@2" in r for r in evals)  # one greedy sample per prompt
 
 
 # ----------------------------------------------------------------------------- several processes
@@ -501,30 +545,30 @@ def fixed_global_batch():
                    for i, (p, c, v) in enumerate(zip(flat, comps, versions))]
 
 
-def rl_steps_on_fixed_batch(parallel, agg):
+def rl_steps_on_fixed_batch(mode, agg):
     """Three RL steps (versions 0, 1, 2): rank r of W trains its share of the fixed global batch
     (uneven: rank 0 gets groups 0-5, rank 1 groups 6-7). Returns the final weights."""
     model, samples = fixed_global_batch()
-    if train.world() > 1:
-        owned = range(0, 12) if train.rank() == 0 else range(12, 16)
+    if parallel.world() > 1:
+        owned = range(0, 12) if parallel.rank() == 0 else range(12, 16)
         samples = [samples[i] for i in owned]
-    cfg = train.load_config(TINY, ["rollout.temperature=0.7", "rollout.max_staleness=1", f"grpo.agg={agg}",
-                                   f"train.parallel={parallel}", "optim.max_tokens_per_micro_batch=40",
+    cfg = config.load_config(TINY, ["rollout.temperature=0.7", "rollout.max_staleness=1", f"grpo.agg={agg}",
+                                   f"train.parallel={mode}", "optim.max_tokens_per_micro_batch=40",
                                    "optim.warmup_steps=0", "optim.lr=0.5", "grpo.kl_coef=0.01"])
     for name, p in model.named_parameters():
         p.requires_grad_(".indexer." not in name)
     ref = copy.deepcopy(model).requires_grad_(False)
-    learner = train.parallel_learner(cfg, model, torch.device("cpu"))
-    if parallel == "fsdp":
-        ref = train.parallel_learner(cfg, ref, torch.device("cpu"))
+    learner = parallel.parallel_learner(model, torch.device("cpu"), mode)
+    if mode == "fsdp":
+        ref = parallel.parallel_learner(ref, torch.device("cpu"), mode)
     # SGD, not AdamW: the key biases have a zero gradient in exact arithmetic (softmax ignores a shift
     # shared by all keys), and Adam would blow their float noise up to lr-sized steps.
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     for version in range(3):
         batch = RolloutBatch(samples, index=version, stream_state={}, metrics={})
         m = train.rl_step(cfg, learner, ref, opt, grpo.KLGuard(), batch, version)
-    assert m["train/samples"] == (0 if train.rank() == 1 else 12)  # step 2: rank 1 had only stale samples
-    return {k: v.clone() for k, v in train.full_weights(learner)}
+    assert m["train/samples"] == (0 if parallel.rank() == 1 else 12)  # step 2: rank 1 had only stale samples
+    return {k: v.clone() for k, v in parallel.full_weights(learner)}
 
 
 @pytest.mark.parametrize("parallel, agg", [("fsdp", "seq-mean-token-mean"), ("ddp", "token-mean")])
@@ -572,7 +616,7 @@ def test_two_processes_warm_up_like_one(two_proc_run, sync_run):
     a, b = (dict(GLM.from_pretrained(d).named_parameters()) for d in sft_end)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
-    state = torch.load(os.path.join(train.checkpoints(two_proc_run)[-1], "state.pt"), weights_only=False)
+    state = torch.load(os.path.join(checkpoint.checkpoints(two_proc_run)[-1], "state.pt"), weights_only=False)
     assert len(state["ranks"]) == 2 and all(r["stream"]["position"] == 4 * 2 for r in state["ranks"])  # 2 prompts/rank/step
     rl = [r for r in got if r["stage"] == "rl" and r["step"] > 0]
     assert all(r["train/samples"] == 16 and r["perf/publish_s"] >= 0 for r in rl)  # both ranks' 8 samples
@@ -587,11 +631,11 @@ def test_two_processes_resume_exactly(two_proc_run, tmp_path):
     got, want = metrics(run_dir), metrics(two_proc_run)
     assert [(r["stage"], r["step"]) for r in got] == EXPECTED_STEPS
     for a, b in zip(got, want):
-        for key in ("train/loss", "rollout/reward", "eval/accuracy", "train/grad_norm", "train/pg_loss"):
+        for key in ("train/loss", "rollout/reward", "eval/synthetic/accuracy", "train/grad_norm", "train/pg_loss"):
             assert (key in a) == (key in b)
             if key in a:
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["stage"], a["step"], key)
-    a, b = (dict(GLM.from_pretrained(train.checkpoints(d)[-1]).named_parameters()) for d in (run_dir, two_proc_run))
+    a, b = (dict(GLM.from_pretrained(checkpoint.checkpoints(d)[-1]).named_parameters()) for d in (run_dir, two_proc_run))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
 
@@ -599,15 +643,19 @@ def test_two_processes_resume_exactly(two_proc_run, tmp_path):
 def test_resume_needs_the_same_number_of_processes(two_proc_run, tmp_path):
     run_dir = str(tmp_path / "copy")
     shutil.copytree(two_proc_run, run_dir)
-    p = subprocess.run([sys.executable, "train.py", "--config", TINY, f"run_dir={run_dir}", *FAST, "--resume"],
+    p = subprocess.run([*TORCHRUN[:-1], "--nproc-per-node=1", "train.py", f"run_dir={run_dir}", "--resume"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "written by 2 processes; resume it with as many (this run has 1)" in p.stderr
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", "train.pairs=1", "--resume"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith(
+        f"error: --resume: train.pairs is 2 in {run_dir}/config.yaml but 1 on the command line")
 
 
 if __name__ == "__main__":  # the torchrun worker of test_two_processes_match_one_on_the_same_global_batch
     torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)
     weights = rl_steps_on_fixed_batch(sys.argv[2], sys.argv[3])
-    if train.rank() == 0:
+    if parallel.rank() == 0:
         torch.save(weights, sys.argv[1])
     torch.distributed.destroy_process_group()

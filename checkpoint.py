@@ -1,0 +1,246 @@
+"""
+The run directory, and everything that makes a run survive a kill:
+
+    run_dir/config.yaml         the resolved config; --resume continues from it
+    run_dir/metrics.jsonl       one JSON line per step (MetricsLog)
+    run_dir/init_model/         a fresh model's starting weights (model.init), rebuilt if its config changes
+    run_dir/reference/          the KL reference (grpo.kl_coef > 0 or kl_guard), the policy RL started from
+    run_dir/checkpoints/step_XXXXXX/   a Hugging Face model directory plus state.pt, numbered by steps
+                                across stages: stage, step, optimizer, KL guard, skipped steps, and per
+                                rank the data position, the RNGs and the rollout batches already sampled
+
+Every directory is written under a temporary name and renamed into place, so a kill, a full disk or
+Ctrl-C never leaves half a checkpoint; resume falls back past a checkpoint it cannot read.
+A SIGTERM or SIGINT asks for a checkpoint at the next step boundary (Preemption).
+"""
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from transformers import AutoTokenizer
+
+import data
+from model import GLM, GLMConfig
+from parallel import all_gather, barrier, rank, unwrap
+
+STAGES = ("dsa_warmup", "sft", "rl")
+FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, in CPU memory
+
+
+def global_step(cfg, stage, step):
+    """Steps across stages, in order: names checkpoints and is TensorBoard's x axis."""
+    t = cfg.train
+    return step + {"dsa_warmup": 0, "sft": t.dsa_warmup_steps, "rl": t.dsa_warmup_steps + t.sft_steps}[stage]
+
+
+def _disk_full(e, path):
+    """A write failed for want of space? Libraries word it their own way (safetensors, torch.save)."""
+    text = str(e)
+    if getattr(e, "errno", None) == errno.ENOSPC or "No space left" in text or "StorageFull" in text:
+        return True
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < 64 * 2**20
+    except OSError:
+        return False
+
+
+def save_dir(path, model, tokenizer, state=None, files=None):
+    """Write into a temp directory, then rename: a crash never leaves a half-written directory, and the
+    previous checkpoint stays intact when the disk fills up. files: {name: text} written beside."""
+    tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path) + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if state is not None:
+            torch.save(state, os.path.join(tmp, "state.pt"))
+        for name, text in (files or {}).items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+    except BaseException as e:  # Ctrl-C included: leave no partial directory behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and _disk_full(e, tmp):
+            raise OSError(errno.ENOSPC, "no space left on device", path) from None
+        raise
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+
+
+def rng_state():
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(rng):
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def save_checkpoint(cfg, model, tokenizer, stage, step, optimizer, rank_state, **state):
+    """run_dir/checkpoints/step_XXXXXX/: an HF model directory plus state.pt, everything needed to
+    continue exactly. rank_state is this rank's own (data position, pending rollout batches); state is
+    global (KL guard, skipped steps). Every rank takes part (FSDP gathers the full weights and optimizer
+    state onto rank 0, in CPU memory); rank 0 writes. Several machines: run_dir must be storage that all
+    of them read (resume loads it)."""
+    optim = get_optimizer_state_dict(model, optimizer, options=FULL_ON_RANK0)
+    ranks = all_gather(rank_state | {"rng": rng_state()})
+    gs = global_step(cfg, stage, step)
+    state = {"stage": stage, "step": step, "global_step": gs, "optimizer": optim, "ranks": ranks} | state
+    root = os.path.join(cfg.run_dir, "checkpoints")
+    save_full(model, tokenizer, os.path.join(root, f"step_{gs:06d}"), state)
+    if rank() == 0:
+        for old in checkpoints(cfg.run_dir)[:-cfg.train.keep_checkpoints]:
+            shutil.rmtree(old)
+
+
+def save_full(model, tokenizer, path, state=None):
+    """Save a (possibly sharded) model as one HF directory. Every rank takes part in the gathers, rank 0
+    writes, and nobody runs ahead of a directory that is still being written."""
+    weights = get_model_state_dict(model, options=FULL_ON_RANK0)  # {name: tensor} on rank 0, {} elsewhere
+    if rank() == 0:
+        with torch.device("meta"):  # a shell around the gathered tensors, to save through save_pretrained
+            net = GLM(unwrap(model).cfg)
+        net.load_state_dict(weights, assign=True)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_dir(path, net, tokenizer, state)
+    barrier()
+
+
+def checkpoints(run_dir):
+    root = os.path.join(run_dir, "checkpoints")
+    names = sorted(d for d in os.listdir(root) if d.startswith("step_")) if os.path.isdir(root) else []
+    return [os.path.join(root, d) for d in names]
+
+
+def load_latest(run_dir, load_model, processes):
+    """(checkpoint path, state, model) of the newest checkpoint that loads, falling back past any that
+    cannot be read (a garbled file, a disk that filled up outside our atomic writes), saying which."""
+    for ckpt in reversed(checkpoints(run_dir)):
+        try:  # our own file (RNG states are not tensors); mmap: processes share one copy in memory
+            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False, mmap=True)
+            model = load_model(ckpt)
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: try the one before
+            if rank() == 0:
+                print(f"[train] {ckpt} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                      "trying the previous checkpoint", file=sys.stderr, flush=True)
+            continue
+        if len(state["ranks"]) != processes:
+            raise ValueError(f"{ckpt} was written by {len(state['ranks'])} processes; resume it with as many "
+                             f"(this run has {processes})")
+        return ckpt, state, model
+    raise ValueError(f"--resume: no readable checkpoint in {run_dir}/checkpoints")
+
+
+def starting_point(cfg, run_dir) -> str:
+    """The directory the run starts from: model.path, or a fresh random model (plus its tokenizer)
+    written to run_dir/init_model, so that it loads through the same code as a real checkpoint. A leftover
+    init_model/ made from other settings (a failed start, then a retry) is rebuilt, never reused."""
+    for key in ("path", "tokenizer"):  # local directories only: never a silent download attempt
+        where = getattr(cfg.model, key)
+        if where is not None and not os.path.isfile(os.path.join(where, "config.json" if key == "path" else "tokenizer_config.json")):
+            what = "is not a directory" if not os.path.isdir(where) else "has no " + ("config.json" if key == "path" else "tokenizer_config.json")
+            raise ValueError(f"model.{key}: {where} {what} (download the model there first)")
+    if cfg.model.path is not None:
+        return cfg.model.path
+    out = os.path.join(run_dir, "init_model")
+    made_from = {"init": cfg.model.init, "dsa": cfg.model.dsa, "tokenizer": cfg.model.tokenizer, "seed": cfg.seed}
+    stamp = os.path.join(out, "made_from.json")
+    if os.path.isdir(out):
+        try:
+            with open(stamp) as f:
+                if json.load(f) == made_from:
+                    return out
+        except (OSError, json.JSONDecodeError):
+            pass
+        print(f"[train] {out} was made from other settings: rebuilding it", flush=True)
+    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.make_tiny_tokenizer()
+    glm_cfg = GLMConfig(**cfg.model.init, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                        eos_token_id=[tok.eos_token_id], dsa=cfg.model.dsa)
+    torch.manual_seed(cfg.seed)
+    save_dir(out, GLM(glm_cfg), tok, files={"made_from.json": json.dumps(made_from)})
+    return out
+
+
+class MetricsLog:
+    """One JSON object per line in run_dir/metrics.jsonl (and TensorBoard when it is installed).
+    A fresh run starts a new file; on resume, lines past the checkpoint are cut first: those steps are
+    about to be redone."""
+
+    def __init__(self, cfg, resume=None):
+        self.cfg, self.path, self.t0 = cfg, os.path.join(cfg.run_dir, "metrics.jsonl"), time.time()
+        self.tb, self.on = None, rank() == 0  # rank 0 writes the (already combined) metrics
+        if not self.on:
+            return
+        keep = []
+        if resume is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue  # a line cut short by a kill
+                    if (STAGES.index(row["stage"]), row["step"]) <= (STAGES.index(resume["stage"]), resume["step"]):
+                        keep.append(line)
+        with open(self.path + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(self.path + ".tmp", self.path)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(cfg.run_dir, purge_step=resume["global_step"] + 1 if resume else None)
+        except ImportError:
+            pass
+
+    def write(self, stage, step, metrics):
+        if not self.on:
+            return
+        gs = global_step(self.cfg, stage, step)
+        row = {"stage": stage, "step": step, "global_step": gs, "time/elapsed_s": time.time() - self.t0} | metrics
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k not in ("step", "global_step"):
+                    self.tb.add_scalar(k, v, gs)
+
+
+class Preemption:
+    """SIGTERM (what schedulers send before they kill) and SIGINT (Ctrl-C) ask the run to checkpoint at
+    the next step boundary and exit; a second signal exits at once. requested() is collective: every rank
+    stops at the same step if any rank was signalled."""
+
+    def __init__(self):
+        self.signum = None
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            print(f"\n[train] second {signal.Signals(signum).name}: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        self.signum = signum
+        if rank() == 0:
+            print(f"\n[train] {signal.Signals(signum).name}: saving a checkpoint at the end of this step "
+                  "(again to exit at once)", file=sys.stderr, flush=True)
+
+    def requested(self) -> bool:
+        return any(all_gather(self.signum is not None))
+
+
+class Preempted(Exception):
+    """Raised after the preemption checkpoint is written: the message says how to continue."""
+
+    def __init__(self, signum, run_dir, where):
+        super().__init__(f"stopped by {signal.Signals(signum).name} after {where}, checkpoint saved; continue with: "
+                         f"python train.py --resume run_dir={run_dir}")
+        self.signum = signum

@@ -1,0 +1,392 @@
+"""
+The run's settings: every key with its default and its meaning (this file is their one home), loading
+a YAML recipe plus `key.sub=value` overrides, checking every value before any work starts, what a
+resumed run may change, and the memory plan that `--dry-run` prints.
+
+A recipe (configs/*.yaml) states only what differs from the defaults below. The defaults are GLM-5's
+RL method at the 9B scale: GRPO with clip-higher, IcePop and one step off-policy, AdamW at lr 1e-6.
+The grpo section is the objective's own dataclass, grpo.GRPOConfig, documented where it is used.
+"""
+import difflib
+import json
+import math
+import os
+import typing
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
+
+import yaml
+from transformers import AutoTokenizer
+
+import data
+import grpo
+from grpo import GRPOConfig
+from model import GLMConfig, memory_plan
+
+H100_BYTES = 80 * 10**9  # what --dry-run plans for (an H100 SXM has 80 GB = 79.6 GiB)
+LOGIT_CHUNK = 1024  # response tokens per lm_head call: a [1024, 151552] fp32 block is 620 MB
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # a Hugging Face checkpoint directory (Glm4ForCausalLM layout, local)
+    init: dict | None = None  # or: model.GLMConfig fields of a fresh random model (vocab, eos, pad: the tokenizer's)
+    dsa: dict | None = None  # dsa.DSAConfig fields (topk, heads, head_dim, rope_dim, pattern); null: the checkpoint's own
+    tokenizer: str | None = None  # a tokenizer directory; null: the checkpoint's (with init: the synthetic task's)
+    gradient_checkpointing: bool = False  # recompute each block in backward: less learner memory, ~1/3 more compute
+    dsa_kernels: bool = True  # on CUDA, DSA runs the Triton kernels of dsa_triton.py (false: dsa.py's PyTorch)
+
+
+@dataclass
+class DataConfig:
+    train: str = "synthetic"  # a JSONL prompt file, or `synthetic` (the arithmetic task's train split)
+    eval: str | dict = "synthetic"  # held-out prompts: one file (named by its stem), or several as {name: file}
+    prompt_key: str = "prompt"  # JSONL key of the prompt: a string or a list of chat messages
+    label_key: str = "label"  # JSONL key of the reference answer the reward grades against
+    response_key: str = "solution"  # JSONL key of a reference response, for the supervised stage (sft_steps > 0)
+    reward: str = "data:math_reward"  # module:function called as fn(response_text, example) -> float
+    train_size: int | None = None  # use the first this many train examples; null: all
+    eval_size: int | None = None  # ... and of each eval set
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 32  # prompt groups per RL step
+    n: int = 8  # samples per prompt: the GRPO group
+    temperature: float = 1.0  # sampling temperature; the learner divides its logits by it too
+    max_new_tokens: int = 8192  # response length limit; a cut-off response scores 0
+    max_prompt_tokens: int = 1024  # prompts longer than this are skipped (all of them: an error at start-up)
+    chat_template: bool = True  # render prompts with the tokenizer's chat template
+    max_staleness: int = 1  # batch i is sampled by weights i - max_staleness (one step off-policy); 0: synchronous
+    dynamic_sampling: bool = False  # replace groups whose rewards all agree (zero advantage) with fresh prompts
+    # false: new weights reach the generator between batches, so batch i is sampled wholly by version
+    # i - max_staleness, which makes runs reproducible and resume exact. true: they land at the next decode
+    # step of the batch in flight (fresher tokens; which token saw which version then depends on timing).
+    partial_rollout: bool = False
+    max_batch: int = 64  # sequences the engine decodes together (its KV cache is sized for them)
+    engine: str = "torch"  # torch: our engine (runs DSA) | sglang: SGLang's (optional extra, dense checkpoints, GPU)
+    sglang_mem_fraction: float = 0.8  # engine: sglang only: share of the generator GPU for weights + KV cache
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6  # RL learning rate (AdamW; constant after the warm-up)
+    betas: list = field(default_factory=lambda: [0.9, 0.98])  # AdamW betas, every stage
+    weight_decay: float = 0.1  # AdamW weight decay in RL and the indexer warm-up
+    grad_clip: float = 1.0  # global gradient-norm clip, every stage
+    max_skipped_steps: int = 5  # a step with a non-finite loss or gradient is skipped; this many in a row stop the run
+    max_tokens_per_micro_batch: int = 4608  # learner token budget: one micro-batch is one packed row of at most this
+    warmup_steps: int = 0  # linear lr warm-up over this many steps at the start of every stage
+    sft_lr: float = 1e-5  # supervised warm-up learning rate
+    sft_weight_decay: float = 0.1  # supervised warm-up weight decay
+    dsa_warmup_lr: float = 1e-3  # indexer warm-up learning rate
+
+
+@dataclass
+class TrainConfig:
+    dsa_warmup_steps: int = 0  # stage 1: only the DSA indexer trains, imitating dense attention (0: skip)
+    sft_steps: int = 0  # stage 2: supervised warm-up on reference responses (data.response_key; 0: skip)
+    rl_steps: int = 100  # stage 3: GRPO steps, one rollout batch and one optimizer step each
+    warmup_batch_size: int = 32  # examples per step of stages 1 and 2
+    eval_every: int = 20  # held-out eval every this many RL steps (and at RL step 0 and the last); 0: only those
+    eval_n: int = 16  # samples per held-out prompt: accuracy is their mean, pass@k for k <= eval_n
+    eval_max_new_tokens: int = 16384  # response length limit at eval
+    eval_temperature: float | None = None  # null: the rollout temperature; 0: greedy (one sample per prompt)
+    eval_greedy: bool = False  # also report greedy accuracy (eval/<set>/greedy_accuracy) beside the sampled one
+    save_every: int = 50  # checkpoint every this many steps of each stage (and at each stage's end)
+    keep_checkpoints: int = 2  # older checkpoints are deleted
+    pairs: int = 1  # generator/learner GPU pairs = processes that `python train.py` starts on this machine
+    parallel: str = "fsdp"  # how the learners share the work: fsdp (sharded weights, grads, AdamW) or ddp (replicas)
+    learner_device: str | None = None  # null: cuda:r+G for process r of G (cuda:0 with one GPU), cpu without GPUs
+    generator_device: str | None = None  # null: cuda:r, cpu without GPUs; set both only with pairs: 1
+
+
+@dataclass
+class Config:
+    run_dir: str | None = None  # checkpoints/, metrics.jsonl, config.yaml go here; null: runs/<recipe file's name>
+    seed: int = 0  # model init, data order, sampling
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy: a checkpoint or a fresh model, DSA
+    data: DataConfig = field(default_factory=DataConfig)  # prompts, references, the reward
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation: sampling, group size, asynchrony
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)  # the objective (grpo.py)
+    optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW per stage, the learner's token budget
+    train: TrainConfig = field(default_factory=TrainConfig)  # stages, eval, checkpoints, processes and devices
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# Keys that existed once, and why they are gone: an old config gets this instead of "unknown key".
+REMOVED = {
+    "grpo.old_logp": "pi_old is now the learner's own forward (pi_prox), free with one optimizer step per "
+                     "batch, and the clip is held against the sampler (README, 'The objective')",
+    "rollout.top_p": "RL samples from the full tempered distribution, the one the learner's logprobs are of; "
+                     "a truncated sampler would be a silent mismatch",
+}
+
+# What `--resume` may change: when and how often things happen, how much memory they take, and where
+# they run. Everything else would make the resumed run a different run than the one it continues.
+SAFE_ON_RESUME = {
+    "run_dir", "train.rl_steps", "train.eval_every", "train.eval_n", "train.eval_max_new_tokens",
+    "train.eval_temperature", "train.eval_greedy", "train.save_every", "train.keep_checkpoints",
+    "train.learner_device", "train.generator_device", "data.eval", "data.eval_size", "rollout.max_batch",
+    "rollout.sglang_mem_fraction", "optim.max_tokens_per_micro_batch", "optim.max_skipped_steps",
+    "model.gradient_checkpointing", "model.dsa_kernels",
+}
+
+
+def config_keys(cls=Config, prefix=""):
+    """Every dotted key, e.g. ["run_dir", ..., "rollout.temperature", ...]."""
+    keys = []
+    for f in fields(cls):
+        sub = typing.get_type_hints(cls)[f.name]
+        keys += config_keys(sub, f"{prefix}{f.name}.") if is_dataclass(sub) else [prefix + f.name]
+    return keys
+
+
+def get(cfg, key):
+    """get(cfg, "optim.lr") -> cfg.optim.lr"""
+    for name in key.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _unknown(where, key, valid):
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return ConfigError(f"{where}: unknown key {key}" + (f" (did you mean {close[0]}?)" if close else ""))
+
+
+def _typed(value, tp, key, where):
+    """Check value against a field type (int, float, bool, str, list, dict, or X | None)."""
+    allowed = typing.get_args(tp) or (tp,)
+    if value is None and type(None) in allowed:
+        return None
+    for t in allowed:
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is float and isinstance(value, str):  # YAML 1.1 reads "1e-6" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if t is int and isinstance(value, bool):
+            continue  # True is an int to python, never to us
+        if t in (int, bool, str, list, dict) and isinstance(value, t):
+            return value
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"{where}: {key} must be {names}, got {value!r} ({type(value).__name__})")
+
+
+def _from_dict(cls, d, where, prefix=""):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'the file'} must be a mapping of keys, got {d!r}")
+    hints, kwargs = typing.get_type_hints(cls), {}
+    for key, value in d.items():
+        if key not in hints:
+            if prefix + key in REMOVED:
+                raise ConfigError(f"{where}: {prefix + key} was removed: {REMOVED[prefix + key]}")
+            raise _unknown(where, prefix + key, config_keys())
+        sub = hints[key]
+        kwargs[key] = (_from_dict(sub, value or {}, where, f"{prefix}{key}.") if is_dataclass(sub)
+                       else _typed(value, sub, prefix + key, where))
+    return cls(**kwargs)
+
+
+def _read_yaml(path):
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror.lower()}") from None
+
+
+def _apply(raw, overrides):
+    """`key.sub=value` items (values parsed as YAML) into the raw mapping, in place."""
+    for item in overrides:
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise ConfigError(f"command line: expected key=value, got {item!r}")
+        *parents, last = key.split(".")
+        d = raw
+        for name in parents:  # into sections, and into mappings such as model.init
+            if not isinstance(d.get(name) or {}, dict):
+                raise ConfigError(f"command line: {key}: {name} is not a mapping")
+            d[name] = d.get(name) or {}
+            d = d[name]
+        try:
+            d[last] = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError(f"command line: {key}: cannot read {text!r} as a value") from None
+
+
+def load_config(path, overrides=()) -> Config:
+    """YAML file, then `key.sub=value` overrides, then every value checked. The file is read alone
+    first, so that an error names the file or the command line correctly."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path}: no such config file")
+    raw = _read_yaml(path)
+    cfg = _from_dict(Config, raw, path)
+    if overrides:
+        _apply(raw, overrides)
+        cfg = _from_dict(Config, raw, "command line")
+    if cfg.run_dir is None:
+        cfg.run_dir = os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
+    check_config(cfg, f"{path} + command line" if overrides else path)
+    return cfg
+
+
+def load_run_config(cfg: Config, overrides=()) -> Config:
+    """The config of the run in cfg.run_dir (its config.yaml), with the command line's overrides applied
+    if each is safe to change mid-run (SAFE_ON_RESUME); anything else is refused with both values."""
+    path = os.path.join(cfg.run_dir, "config.yaml")
+    raw = _read_yaml(path)
+    saved = _from_dict(Config, raw, path)
+    _apply(raw, overrides)
+    new = _from_dict(Config, raw, "command line")
+    new.run_dir = cfg.run_dir
+    for key in config_keys():
+        old, now = get(saved, key), get(new, key)
+        if old != now and key not in SAFE_ON_RESUME:
+            raise ConfigError(f"--resume: {key} is {old!r} in {path} but {now!r} on the command line; a resumed run "
+                              f"may change only {', '.join(sorted(SAFE_ON_RESUME - {'run_dir'}))}")
+    check_config(new, f"{path} + command line" if overrides else path)
+    return new
+
+
+def save_config(cfg: Config, run_dir):
+    tmp = os.path.join(run_dir, ".config.yaml.tmp")
+    with open(tmp, "w") as f:
+        yaml.safe_dump(asdict(cfg), f, sort_keys=False)
+    os.replace(tmp, os.path.join(run_dir, "config.yaml"))
+
+
+# ----------------------------------------------------------------------------- checks
+# Every value is checked against its domain here, at start-up: a negative learning rate or clip would
+# train the model backwards, and a NaN one would only fail in AdamW hours later, after the warm-ups.
+
+
+def _positive(x):
+    return math.isfinite(x) and x > 0
+
+
+def _non_negative(x):
+    return math.isfinite(x) and x >= 0
+
+
+RULES = [  # (keys, test, what each must be)
+    (("optim.lr", "optim.sft_lr", "optim.dsa_warmup_lr", "optim.grad_clip", "rollout.temperature",
+      "grpo.kl_guard_threshold"), _positive, "a finite number > 0"),
+    (("optim.weight_decay", "optim.sft_weight_decay", "grpo.eps_high", "grpo.kl_coef", "grpo.entropy_coef"),
+     _non_negative, "a finite number >= 0"),
+    (("grpo.eps_low",), lambda x: 0 <= x < 1, "in [0, 1)"),
+    (("grpo.kl_guard_factor",), lambda x: 0 < x <= 1, "in (0, 1]"),
+    (("rollout.sglang_mem_fraction",), lambda x: 0 < x < 1, "in (0, 1)"),
+    (("grpo.tis_cap",), lambda x: x is None or _positive(x), "> 0 (or null)"),
+    (("grpo.icepop_beta",), lambda x: x is None or (math.isfinite(x) and x > 1), "> 1 (or null): the band is [1/beta, beta]"),
+    (("grpo.dual_clip",), lambda x: x is None or (math.isfinite(x) and x > 1), "> 1 (or null)"),
+    (("train.eval_temperature",), lambda x: x is None or _non_negative(x), ">= 0 (0: greedy) or null"),
+    (("rollout.prompts_per_step", "rollout.n", "rollout.max_new_tokens", "rollout.max_prompt_tokens", "rollout.max_batch",
+      "optim.max_skipped_steps", "optim.max_tokens_per_micro_batch", "train.warmup_batch_size", "train.eval_n",
+      "train.eval_max_new_tokens", "train.save_every", "train.keep_checkpoints", "train.pairs", "grpo.kl_guard_window"),
+     lambda x: x >= 1, ">= 1"),
+    (("rollout.max_staleness", "optim.warmup_steps", "train.dsa_warmup_steps", "train.sft_steps", "train.rl_steps",
+      "train.eval_every"), lambda x: x >= 0, ">= 0"),
+    (("data.train_size", "data.eval_size"), lambda x: x is None or x >= 1, ">= 1 (or null: all)"),
+    (("optim.betas",), lambda b: len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b),
+     "[beta1, beta2], each in [0, 1)"),
+    (("rollout.engine",), lambda x: x in ("torch", "sglang"), "torch or sglang"),
+    (("train.parallel",), lambda x: x in ("fsdp", "ddp"), "fsdp or ddp"),
+    (("grpo.agg",), lambda x: x in grpo.AGG_MODES, f"one of {grpo.AGG_MODES}"),
+    (("grpo.kl_estimator",), lambda x: x in grpo.KL_ESTIMATORS, f"one of {grpo.KL_ESTIMATORS}"),
+]
+
+
+def check_config(cfg: Config, where):
+    for keys, ok, what in RULES:
+        for key in keys:
+            if not ok(get(cfg, key)):
+                raise ConfigError(f"{where}: {key} must be {what}, got {get(cfg, key)!r}")
+
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(f"{where}: {msg}")
+    need((cfg.model.path is None) != (cfg.model.init is None), "set exactly one of model.path and model.init")
+    reserved = {"vocab_size", "eos_token_id", "pad_token_id", "dsa"} & set(cfg.model.init or {})
+    need(not reserved, f"model.init must not set {sorted(reserved)} (they come from the tokenizer and model.dsa)")
+    valid = [f"model.init.{f.name}" for f in fields(GLMConfig)]
+    for k in cfg.model.init or {}:
+        if f"model.init.{k}" not in valid:
+            raise _unknown(where, f"model.init.{k}", valid)
+    try:  # the model's own checks (head counts, DSA pattern, ...)
+        GLMConfig(**(cfg.model.init or {}), dsa=cfg.model.dsa)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: model: {e}") from None
+    for name, path in eval_sets(cfg).items():
+        need(isinstance(path, str) and name and "/" not in name,
+             f"data.eval must be a file or a mapping of set names to files, got {cfg.data.eval!r}")
+    need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
+         f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
+    if cfg.model.init is not None:
+        longest = cfg.rollout.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.train.eval_max_new_tokens)
+        limit = cfg.model.init.get("max_position_embeddings", GLMConfig.max_position_embeddings)
+        need(longest <= limit, f"rollout.max_prompt_tokens + the longest response ({longest} tokens) must fit "
+                               f"model.init.max_position_embeddings ({limit})")
+
+
+def eval_sets(cfg: Config) -> dict:
+    """{set name: file or "synthetic"}: data.eval as a mapping, or one file named by its stem."""
+    if isinstance(cfg.data.eval, dict):
+        return dict(cfg.data.eval)
+    return {os.path.splitext(os.path.basename(cfg.data.eval))[0]: cfg.data.eval}
+
+
+# ----------------------------------------------------------------------------- the memory plan
+
+# The architecture of the recipe's checkpoint (its published config.json), so that --dry-run can plan
+# memory before the 18 GB download. A downloaded model.path always wins over this table.
+PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696,
+                                "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
+                                "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                                "rms_norm_eps": 1e-5, "attention_bias": True, "tie_word_embeddings": False,
+                                "max_position_embeddings": 32768, "pad_token_id": 151329,
+                                "eos_token_id": [151329, 151336, 151338]}}
+
+
+def architecture(cfg: Config) -> GLMConfig:
+    """The policy's GLMConfig without loading any weights."""
+    if cfg.model.init is not None:
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.make_tiny_tokenizer()
+        return GLMConfig(**cfg.model.init, vocab_size=len(tok), dsa=cfg.model.dsa)
+    path = os.path.join(cfg.model.path, "config.json")
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                hf = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"model.path: {path} cannot be read ({e})") from None
+    elif os.path.basename(os.path.normpath(cfg.model.path)) in PUBLISHED:
+        hf = PUBLISHED[os.path.basename(os.path.normpath(cfg.model.path))]
+    else:
+        raise ConfigError(f"model.path: {path} not found (download the checkpoint first)")
+    arch = GLMConfig.from_hf(hf)
+    if cfg.model.dsa is not None:
+        arch.dsa = GLMConfig(**{**asdict(arch), "dsa": cfg.model.dsa}).dsa
+    return arch
+
+
+def plan_memory(cfg: Config, processes):
+    """The per-GPU memory plan of this config with `processes` generator/learner pairs in all."""
+    r, g, t = cfg.rollout, cfg.grpo, cfg.train
+    return memory_plan(architecture(cfg), learner_gpus=processes, parallel=t.parallel,
+                       micro_batch_tokens=cfg.optim.max_tokens_per_micro_batch,
+                       gradient_checkpointing=cfg.model.gradient_checkpointing,
+                       trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
+                       reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
+                       generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
+                       prompt_len=r.max_prompt_tokens, engine=r.engine, sglang_mem_fraction=r.sglang_mem_fraction,
+                       logit_chunk=LOGIT_CHUNK, dsa_kernels=cfg.model.dsa_kernels)

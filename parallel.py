@@ -1,0 +1,270 @@
+"""
+Processes, devices, and the learner across ranks: the plumbing that lets train.py read as if there
+were one process.
+
+One process per generator/learner GPU pair. Process r of G on a machine with 2G GPUs generates on
+cuda:r and learns on cuda:r+G. `python train.py` starts the G = train.pairs processes itself (through
+torchrun's launcher); under torchrun, --nproc-per-node decides. Every process generates and trains on
+its own prompt groups; the learners form one data-parallel group (FSDP2 or DDP) whose gradient is
+exactly that of one process on the whole batch. Without torchrun there is no process group and every
+helper here is the identity, so the single-process path is the same code with world() == 1.
+
+The contract that makes the gradient exact: each rank's loss is a partial sum over the *global*
+denominator of the step's batch. DDP and FSDP2 average gradients over ranks when they reduce, so
+learner_backward multiplies the loss by world() to turn their mean back into that sum.
+"""
+import datetime
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import ConfigError
+from model import GLM
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_gather(obj):
+    """Every rank's (picklable) obj, in rank order. Small things only: metrics, counts, RNG states."""
+    if world() == 1:
+        return [obj]
+    out = [None] * world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def global_sum(*values):
+    """The sum over ranks of each value (floats, or tuples of floats)."""
+    parts = all_gather(values)
+    return tuple(sum(p[i] for p in parts) for i in range(len(values)))
+
+
+def barrier():
+    if world() > 1:
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------- processes and devices
+
+
+def local_layout():
+    """(this process's index on its machine, processes on this machine), as torchrun set them."""
+    return int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+def pair_devices(cfg):
+    """(generator device, learner device): cuda:r and cuda:r+G for process r of G on a machine with
+    2G GPUs; one GPU shared by both in a single process on a one-GPU machine; cpu without GPUs."""
+    r, G = local_layout()
+    n = torch.cuda.device_count()
+    explicit = cfg.train.generator_device, cfg.train.learner_device
+    if any(explicit):
+        if G > 1:
+            raise ConfigError("train.generator_device / learner_device name one device: set them to null when "
+                              f"{G} processes share this machine (each takes its GPU pair)")
+        return (torch.device(explicit[0] or ("cuda:0" if n else "cpu")),
+                torch.device(explicit[1] or ("cuda:1" if n > 1 else "cuda:0" if n else "cpu")))
+    if n == 0:
+        return torch.device("cpu"), torch.device("cpu")
+    if n >= 2 * G:
+        return torch.device(f"cuda:{r}"), torch.device(f"cuda:{r + G}")
+    if n == G == 1:
+        return torch.device("cuda:0"), torch.device("cuda:0")
+    raise ConfigError(f"{G} processes on this machine need {2 * G} GPUs (a generator and a learner each), "
+                      f"found {n}: lower train.pairs or --nproc-per-node")
+
+
+def init_processes(learner_device):
+    """Join the process group torchrun describes in the environment (nothing to do in one process).
+    NCCL carries the learners' collectives on GPUs, gloo on CPU."""
+    if "RANK" not in os.environ or dist.is_initialized():
+        return
+    if learner_device.type == "cuda":
+        torch.cuda.set_device(learner_device)
+        dist.init_process_group("nccl", device_id=learner_device, timeout=datetime.timedelta(minutes=60))
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=60))
+
+
+def launch(pairs, script, argv):
+    """`python train.py` with train.pairs > 1: start the pairs through torchrun's own launcher (one
+    machine, a free port), each running the script with the same arguments. Only the first failing
+    process's one-line error is shown (the others stop quietly when it goes)."""
+    import logging
+    from torch.distributed.run import get_args_parser, run
+    print(f"[train] starting {pairs} processes (one per generator/learner pair)", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // pairs)))  # set_threads refines it
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its failure tables repeat ours
+    try:
+        run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={pairs}",
+                                          script, *argv]))
+    except Exception as e:  # the failing process printed its own error above
+        raise SystemExit(f"error: a training process failed ({type(e).__name__}); see its message above") from None
+
+
+def cpu_cores():
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_threads(devices, rl: bool):
+    """Processes on one machine split its cores; within a process, the learner (main thread) and the
+    generator thread get half each during RL when both run on the CPU, so their op thread pools do not
+    fight over the same cores."""
+    cores = max(1, cpu_cores() // local_layout()[1])
+    both_cpu = devices[0].type == devices[1].type == "cpu"
+    torch.set_num_threads(max(1, cores // 2) if rl and both_cpu else cores)
+
+
+def autocast(device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+# ----------------------------------------------------------------------------- the learner across ranks
+
+
+def parallel_learner(model, device, parallel):
+    """The module the learner steps. Across processes: FSDP2 shards the fp32 weights, gradients and
+    AdamW state over the ranks (each decoder layer is gathered just before use, in bf16 on GPU, and
+    reduced in fp32), or DDP keeps full replicas and all-reduces gradients. Called at the start of each
+    stage once it has chosen which parameters train: DDP fixes that set when built, FSDP2 follows
+    requires_grad by itself, so it shards once."""
+    if world() == 1:
+        return model
+    if parallel == "ddp":
+        return DDP(model, device_ids=[device] if device.type == "cuda" else None)
+    if not isinstance(model, FSDPModule):
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
+              else MixedPrecisionPolicy())
+        mesh = init_device_mesh(device.type, (world(),))
+        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # gathered as stored: fp32
+        for layer in model.layers:
+            if layer.self_attn.indexer is not None:  # its own unit, so dsa.FP32_PARAMS arrive in fp32
+                fully_shard(layer.self_attn.indexer, mesh=mesh, mp_policy=fp32)
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm and lm_head
+    return model
+
+
+def unwrap(model) -> GLM:
+    return model.module if isinstance(model, DDP) else model
+
+
+def micro_batches(model, groups):
+    """[(k, part or None)] over this rank's micro-batches (lists of indices), padded with None so that
+    every rank runs as many forward and backward passes as the others: FSDP gathers each layer in every
+    one, DDP reduces in the last. A None part runs as one dummy token at zero weight (dummy_rows)."""
+    n = max(all_gather(len(groups)))
+    return list(enumerate(groups + [None] * (n - len(groups))))
+
+
+def dummy_rows(model):
+    pad = unwrap(model).cfg.pad_token_id or 0
+    return [([pad, pad], 1)]  # one prompt token, one "response" token
+
+
+def learner_backward(model, loss, last):
+    """loss.backward() for this rank's part of a global-mean loss. DDP all-reduces in the last
+    micro-batch's backward only (FSDP2 reduce-scatters in every one and accumulates sharded gradients:
+    skipping that would keep full-size gradients on every GPU)."""
+    with model.no_sync() if isinstance(model, DDP) and not last else nullcontext():
+        (loss * world()).backward()  # world(): undo the mean over ranks of the gradient reduction
+
+
+def clip_grad_norm(params, max_norm):
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+
+
+def full_weights(model, dtype=None):
+    """(name, full tensor) of every parameter, for publishing to the generator. Under FSDP each tensor
+    is gathered from its shards when the consumer asks for it (cast to the generator's dtype first, so
+    bf16 travels), so beyond the training state only one full tensor exists at a time. Every rank
+    must consume the whole sequence: each gather is a collective."""
+    for name, p in unwrap(model).named_parameters():
+        p = p.detach()
+        if hasattr(p, "full_tensor"):
+            p = (p.to(dtype) if dtype is not None else p).full_tensor()
+        yield name, p
+
+
+# Rank metrics become one row: counts and throughputs add up, maxima take the max, the rest (means
+# of equal-sized shares, or values already global) is averaged over the ranks that have the key.
+SUMMED = {"train/samples", "train/tokens", "staleness/dropped", "rollout/groups_dropped", "rollout/prompts_skipped",
+          "rollout/gen_tokens_per_s", "perf/tokens_per_s"}
+MAXED = {"staleness/max", "train/logp_diff_max", "perf/step_s", "perf/publish_s"}
+
+
+def combine_ranks(metrics):
+    """This rank's metrics -> the row of the whole step (the same on every rank)."""
+    parts, out = all_gather(metrics), {}
+    for k in dict.fromkeys(k for p in parts for k in p):
+        vals = [p[k] for p in parts if k in p]
+        out[k] = sum(vals) if k in SUMMED else max(vals) if k in MAXED else sum(vals) / len(vals)
+    return out
+
+
+# ----------------------------------------------------------------------------- non-finite steps
+# A NaN or inf loss or gradient must never reach the weights: AdamW would write NaN into every weight it
+# touches, the generator would sample from them and a checkpoint would keep them. Such a step is skipped
+# whole (its gradients dropped, the optimizer state untouched) on every rank alike: the loss and the
+# gradient norm it is judged on are global numbers. A few in a row stop the run with one line.
+
+
+def optimizer_step(optimizer, model, loss, grad_clip, lr) -> dict:
+    """Clip the gradient, then step at lr(), unless the step's global loss or gradient norm is not finite
+    (then the gradients are dropped and nothing changes). lr is a function: the KL guard must see only
+    steps that happen. Afterwards the trained weights must still be finite (one host sync), or nothing
+    downstream (generator, checkpoint) may see them. Returns the step's train/ metrics."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = clip_grad_norm(params, grad_clip)
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        return {"train/grad_norm": grad_norm, "train/skipped": 1.0}
+    lr = lr()
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    named = [(n, p.to_local() if hasattr(p, "to_local") else p)  # FSDP: each rank checks its own shards
+             for n, p in unwrap(model).named_parameters() if p.requires_grad]
+    ok = bool(torch.stack([torch.isfinite(p.detach()).all() for _, p in named]).all()) if named else True
+    if not all(all_gather(ok)):
+        bad = next((n for n, p in named if not torch.isfinite(p.detach()).all()), "a weight shard on another rank")
+        raise FloatingPointError(f"the optimizer step at lr {lr:g} made {bad} non-finite; nothing was published or saved")
+    return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": 0.0}
+
+
+@dataclass
+class Skips:
+    """Steps skipped for a non-finite loss or gradient norm: in a row (`run`) and in this stage (`total`)."""
+    limit: int
+    total: int = 0
+    run: int = 0
+
+    def state(self):
+        return (self.total, self.run)
+
+    def update(self, stage, step, metrics):
+        """Count the step; adds train/skipped_steps to metrics; stops the run after `limit` in a row."""
+        if metrics.get("train/skipped"):
+            self.total, self.run = self.total + 1, self.run + 1
+        else:
+            self.run = 0
+        metrics["train/skipped_steps"] = self.total
+        if self.run >= self.limit:
+            what = ", ".join(f"{k.removeprefix('train/')} {metrics[k]}" for k in ("train/loss", "train/grad_norm")
+                             if k in metrics and not math.isfinite(metrics[k])) or "the loss or gradient"
+            raise FloatingPointError(f"{stage} step {step}: {what} for {self.run} steps in a row (optim.max_skipped_steps: "
+                                     f"{self.limit}); the skipped steps changed no weights. Lower the learning rate?")

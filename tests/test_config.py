@@ -1,0 +1,180 @@
+"""Tests for config.py: loading YAML + overrides, one-line errors naming the key, every value checked
+against its domain, the recipes stating only what differs from the documented defaults, what --resume
+may change, and the dry-run memory plan."""
+import os
+import re
+import subprocess
+import sys
+import typing
+from dataclasses import fields, is_dataclass
+
+import pytest
+import yaml
+
+import config
+from config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+GLM9B = os.path.join(ROOT, "configs", "glm9b_math.yaml")
+DICT_KEYS = {"model.init", "model.dsa", "data.eval"}  # free-form mappings, checked by GLMConfig / DSAConfig / eval_sets
+
+
+def write_yaml(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_unknown_key_names_key_and_suggestion(tmp_path):
+    path = write_yaml(tmp_path, "model:\n  init: {hidden_size: 8}\nrollout:\n  temprature: 0.5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == f"{path}: unknown key rollout.temprature (did you mean rollout.temperature?)"
+    with pytest.raises(ConfigError, match=r"^command line: unknown key optim\.lrr \(did you mean optim\.lr\?\)$"):
+        load_config(TINY, ["optim.lrr=0.1"])
+    with pytest.raises(ConfigError, match="unknown key zzz_qqq$"):  # nothing close: no suggestion
+        load_config(TINY, ["zzz_qqq=1"])
+    with pytest.raises(ConfigError, match=r"unknown key model\.init\.hiden_size \(did you mean model\.init\.hidden_size\?\)"):
+        load_config(TINY, ["model.init.hiden_size=8"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("rollout.n=abc", "rollout.n must be int, got 'abc'"),
+    ("rollout.n=true", "rollout.n must be int, got True"),
+    ("rollout.n=2.5", "rollout.n must be int, got 2.5"),
+    ("rollout.temperature=hot", "rollout.temperature must be float, got 'hot'"),
+    ("rollout.chat_template=1", "rollout.chat_template must be bool, got 1"),
+    ("model.path=3", "model.path must be str or null, got 3"),
+    ("optim.betas=0.9", "optim.betas must be list, got 0.9"),
+    ("rollout=3", "rollout must be a mapping of keys, got 3"),
+    ("rollout.n.x=3", "rollout.n must be int, got {'x': 3}"),
+    ("rollout.temperature=0", "rollout.temperature must be a finite number > 0, got 0.0"),
+    # every numeric key against its domain, at start-up (these used to pass, or to fail hours later in AdamW)
+    ("optim.grad_clip=-1", "optim.grad_clip must be a finite number > 0, got -1.0"),
+    ("optim.lr=-1e-3", "optim.lr must be a finite number > 0, got -0.001"),
+    ("optim.lr=.nan", "optim.lr must be a finite number > 0, got nan"),
+    ("optim.sft_lr=.inf", "optim.sft_lr must be a finite number > 0, got inf"),
+    ("optim.betas=[0.9,1.5]", "optim.betas must be [beta1, beta2], each in [0, 1), got [0.9, 1.5]"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be a finite number >= 0"),
+    ("grpo.eps_low=-3", "grpo.eps_low must be in [0, 1), got -3.0"),
+    ("grpo.eps_high=-0.1", "grpo.eps_high must be a finite number >= 0"),
+    ("grpo.dual_clip=0.5", "grpo.dual_clip must be > 1 (or null)"),
+    ("grpo.kl_guard_factor=2", "grpo.kl_guard_factor must be in (0, 1]"),
+    ("data.train_size=0", "data.train_size must be >= 1 (or null: all), got 0"),
+    ("train.eval_temperature=-1", "train.eval_temperature must be >= 0 (0: greedy) or null"),
+    ("train.rl_steps=-1", "train.rl_steps must be >= 0"),
+    ("rollout.max_batch=0", "rollout.max_batch must be >= 1"),
+    ("rollout.prompts_per_step=3", "rollout.prompts_per_step (3) must divide evenly over train.pairs (2)"),
+    ("rollout.max_new_tokens=64", "(96 tokens) must fit model.init.max_position_embeddings (64)"),
+    ("data.eval={a/b: x.jsonl}", "data.eval must be a file or a mapping of set names to files"),
+    ("grpo.agg=mean", "grpo.agg must be one of"),
+    ("grpo.old_logp=recompute", "grpo.old_logp was removed: pi_old is now the learner's own forward"),
+    ("rollout.top_p=0.9", "rollout.top_p was removed: RL samples from the full tempered distribution"),
+    ("grpo.icepop_beta=0.5", "grpo.icepop_beta must be > 1"),
+    ("grpo.tis_cap=0", "grpo.tis_cap must be > 0"),
+    ("grpo.kl_estimator=k9", "grpo.kl_estimator must be one of"),
+    ("optim.max_skipped_steps=0", "optim.max_skipped_steps must be >= 1"),
+    ("model.path=/some/dir", "set exactly one of model.path and model.init"),
+    ("model.init.vocab_size=10", "model.init must not set ['vocab_size']"),
+    ("model.init.num_kv_heads=3", "num_heads (4) must be a multiple of num_kv_heads (3)"),
+    ("model.dsa.pattern=SF", "dsa.pattern must be a string of F/S starting with F"),
+    ("model.dsa.top_k=8", "unknown dsa key(s) ['top_k']"),
+])
+def test_bad_values_fail_with_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override] + (["train.pairs=2"] if "pairs" in message else []))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_overrides_and_yaml_number_forms(tmp_path):
+    cfg = load_config(TINY, ["run_dir=/tmp/x", "optim.lr=1e-6", "rollout.temperature=1", "model.init.num_layers=5",
+                                   "grpo.tis_cap=2", "grpo.icepop_beta=null", "optim.betas=[0.8, 0.9]"])
+    assert cfg.run_dir == "/tmp/x"
+    assert cfg.optim.lr == 1e-6 and isinstance(cfg.optim.lr, float)  # YAML reads "1e-6" as a string
+    assert cfg.rollout.temperature == 1.0 and isinstance(cfg.rollout.temperature, float)
+    assert cfg.model.init["num_layers"] == 5 and cfg.model.init["hidden_size"] == 96  # the rest of init kept
+    assert cfg.grpo.tis_cap == 2.0 and cfg.grpo.icepop_beta is None and cfg.optim.betas == [0.8, 0.9]
+    assert load_config(write_yaml(tmp_path, "model: {init: {}}\n")).rollout.n == 8  # defaults fill in
+
+
+def yaml_keys(d, prefix=""):
+    keys = []
+    for k, v in d.items():
+        name = prefix + k
+        keys += yaml_keys(v, name + ".") if isinstance(v, dict) and name not in DICT_KEYS else [name]
+    return keys
+
+
+@pytest.mark.parametrize("path", [TINY, GLM9B])
+def test_recipes_state_only_what_differs_from_the_defaults(path):
+    """One home for defaults: config.py. A recipe key equal to its default would be a second statement
+    of it (free to drift from the first)."""
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    defaults = config.Config()
+    for key in yaml_keys(raw):
+        assert key in config.config_keys(), f"{path}: {key} is not a config key"
+        value = config.get(load_config(path), key)
+        assert value != config.get(defaults, key), f"{path}: {key}: {value!r} is the default; state it once, in config.py"
+    assert load_config(path).run_dir == os.path.join("runs", os.path.basename(path)[:-5])  # null: runs/<recipe>
+
+
+def test_every_key_has_its_default_documented_once():
+    """Every field of config.py's dataclasses (and grpo.GRPOConfig, the objective's own) carries a comment:
+    on its line, or on the lines just above it."""
+    for cls in (config.ModelConfig, config.DataConfig, config.RolloutConfig, config.OptimConfig, config.TrainConfig,
+                config.Config, config.GRPOConfig):
+        src = open(os.path.join(ROOT, cls.__module__ + ".py")).read().splitlines()
+        body = src[next(i for i, line in enumerate(src) if line.startswith(f"class {cls.__name__}")):]
+        for f in fields(cls):
+            i = next(i for i, line in enumerate(body) if re.match(rf"\s+{f.name}:", line))
+            assert "#" in body[i] or body[i - 1].strip().startswith("#"), f"{cls.__name__}.{f.name} has no comment"
+
+
+def test_every_key_is_read():
+    """Every key is read somewhere outside config.py's own definitions (the stages, the engine, the
+    objective, the plumbing)."""
+    src = "".join(open(os.path.join(ROOT, n)).read() for n in
+                  ("train.py", "grpo.py", "rollout.py", "parallel.py", "checkpoint.py"))
+    src += "".join(line for line in open(os.path.join(ROOT, "config.py")) if not re.match(r"\s+\w+: [\w |]+ = ", line))
+    for key in config.config_keys():
+        assert re.search(rf"\.{key.rpartition('.')[2]}\b", src), f"nothing reads {key}"
+
+
+def test_glm9b_recipe_numbers():
+    cfg = load_config(GLM9B)
+    r, g, o, t = cfg.rollout, cfg.grpo, cfg.optim, cfg.train
+    assert cfg.model.path.endswith("GLM-Z1-9B-0414") and cfg.data.train.endswith("dapo-math-17k.jsonl")
+    assert (r.prompts_per_step, r.n, r.temperature, r.max_new_tokens) == (32, 8, 1.0, 8192)
+    assert (g.eps_low, g.eps_high, g.agg, g.kl_coef, g.icepop_beta) == (0.2, 0.28, "seq-mean-token-mean", 0.0, 2.0)
+    assert (o.lr, o.weight_decay, o.betas, o.max_tokens_per_micro_batch) == (1e-6, 0.1, [0.9, 0.98], 4608)
+    assert (t.eval_every, t.eval_n, t.eval_max_new_tokens) == (20, 16, 16384)
+
+
+def test_dry_run_prints_the_9b_memory_plan():
+    p = subprocess.run([sys.executable, "train.py", "--config", GLM9B, "--dry-run"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "9.40B parameters" in p.stdout and "learner GPU (fsdp over 4)" in p.stdout
+    assert p.stdout.count("fits in 74.5 GiB") == 2  # learner and generator
+    p = subprocess.run([sys.executable, "train.py", "--config", GLM9B, "--dry-run", "train.parallel=ddp"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and "does NOT fit" in p.stdout
+    assert p.stderr.startswith("error: does not fit on H100s: learner GPU (ddp over 4)") and "train.parallel: fsdp" in p.stderr
+
+
+def test_sglang_engine_on_cpu_fails_before_training(tmp_path):
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "rollout.engine=sglang"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: rollout.engine: sglang runs on a CUDA")
+    assert not os.path.exists(tmp_path / "r" / "metrics.jsonl")  # nothing trained
+
+
+def test_cli_config_error_is_one_line():
+    p = subprocess.run([sys.executable, "train.py", "rollout.temprature=1"], cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines() == [
+        f"error: command line: unknown key rollout.temprature (did you mean rollout.temperature?)"]
+
+
