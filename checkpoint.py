@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoTokenizer
 
 import data
+from config import ConfigError
 from model import GLM, GLMConfig
-from parallel import all_gather, barrier, rank, unwrap
+from parallel import all_gather, barrier, parallel_learner, rank, unwrap
 
 STAGES = ("dsa_warmup", "sft", "rl")
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, in CPU memory
@@ -115,6 +116,18 @@ def save_full(model, tokenizer, path, state=None):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         save_dir(path, net, tokenizer, state)
     barrier()
+
+
+def reference_model(cfg, model, tokenizer, resume):
+    """The frozen KL reference: the policy as RL started, saved once to run_dir/reference (so that a resumed
+    run keeps it) and loaded on the learner device; sharded like the policy under FSDP."""
+    ref_dir, device = os.path.join(cfg.run_dir, "reference"), model.lm_head.weight.device
+    if not os.path.isdir(ref_dir):
+        if resume is not None and resume["stage"] == "rl" and resume["step"] > 0:
+            raise ConfigError(f"{ref_dir} is missing; the KL reference of this run is lost")
+        save_full(model, tokenizer, ref_dir)
+    ref = GLM.from_pretrained(ref_dir, dtype=torch.float32, device=device).eval().requires_grad_(False)
+    return parallel_learner(ref, device, "fsdp") if cfg.train.parallel == "fsdp" else ref  # DDP: a replica
 
 
 def checkpoints(run_dir):

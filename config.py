@@ -338,6 +338,16 @@ def check_config(cfg: Config, where):
                                f"model.init.max_position_embeddings ({limit})")
 
 
+def check_paths(cfg: Config):
+    """The files a run reads exist (before processes start and before any weights load)."""
+    for key in ("model.path", "model.tokenizer"):
+        if get(cfg, key) is not None and not os.path.isdir(get(cfg, key)):
+            raise ConfigError(f"{key}: {get(cfg, key)} is not a directory (download the model there first)")
+    for key, path in [("data.train", cfg.data.train)] + [(f"data.eval ({n})", p) for n, p in eval_sets(cfg).items()]:
+        if path != "synthetic" and not os.path.isfile(path):
+            raise ConfigError(f"{key}: {path}: no such file (expected a JSONL prompt file)")
+
+
 def eval_sets(cfg: Config) -> dict:
     """{set name: file or "synthetic"}: data.eval as a mapping, or one file named by its stem."""
     if isinstance(cfg.data.eval, dict):

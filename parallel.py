@@ -111,8 +111,11 @@ def launch(pairs, script, argv):
     try:
         run(get_args_parser().parse_args(["--standalone", f"--nproc-per-node={pairs}",
                                           script, *argv]))
-    except Exception as e:  # the failing process printed its own error above
-        raise SystemExit(f"error: a training process failed ({type(e).__name__}); see its message above") from None
+    except Exception as e:  # noqa: BLE001 - a failing process printed its own one-line error already
+        codes = [f.exitcode for f in getattr(e, "failures", {}).values()]
+        killed = [-c for c in codes if c is not None and c < 0]
+        raise SystemExit(f"error: a training process was killed by signal {killed[0]} (out of memory?)" if killed
+                         else max([c for c in codes if c] or [1])) from None
 
 
 def cpu_cores():

@@ -44,10 +44,10 @@ from transformers import AutoTokenizer
 import data
 import dsa
 import grpo
-from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, save_checkpoint, save_full,
+from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, reference_model, save_checkpoint,
                         set_rng_state, starting_point)
-from config import (H100_BYTES, LOGIT_CHUNK, Config, ConfigError, architecture, eval_sets, load_config, load_run_config,
-                    plan_memory, save_config)
+from config import (H100_BYTES, LOGIT_CHUNK, Config, ConfigError, architecture, check_paths, eval_sets, load_config,
+                    load_run_config, plan_memory, save_config)
 from model import GLM
 from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy_rows, full_weights, global_sum,
                       init_processes, launch, learner_backward, micro_batches, optimizer_step, pair_devices,
@@ -404,6 +404,7 @@ def main(argv=None):
     fresh = not (args.resume and checkpoints(run_dir))
     if not args.resume and (checkpoints(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
         raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or run_dir=... for a new one")
+    check_paths(cfg)
     arch = architecture(cfg)  # config.json only: the checks below need no weights
     if cfg.train.dsa_warmup_steps and arch.dsa is None:
         raise ConfigError("train.dsa_warmup_steps > 0 needs a DSA model (set model.dsa)")
@@ -458,16 +459,7 @@ def main(argv=None):
             train_warmup(stage, cfg, model, tokenizer, train_examples, resume, log, preempt)
     if cfg.train.rl_steps > 0:
         set_threads(devices, rl=True)
-        ref_model = None
-        if cfg.grpo.kl_coef > 0 or cfg.grpo.kl_guard:  # the reference is the policy RL started from
-            ref_dir = os.path.join(run_dir, "reference")
-            if not os.path.isdir(ref_dir):
-                if resume is not None and resume["stage"] == "rl" and resume["step"] > 0:
-                    raise ConfigError(f"{ref_dir} is missing; the KL reference of this run is lost")
-                save_full(model, tokenizer, ref_dir)
-            ref_model = GLM.from_pretrained(ref_dir, dtype=torch.float32, device=devices[1]).eval().requires_grad_(False)
-            if cfg.train.parallel == "fsdp":  # sharded like the policy; DDP keeps a replica (nothing to reduce)
-                ref_model = parallel_learner(ref_model, devices[1], "fsdp")
+        ref_model = reference_model(cfg, model, tokenizer, resume) if cfg.grpo.kl_coef > 0 or cfg.grpo.kl_guard else None
         try:
             last = train_rl(cfg, model, engine, ref_model, tokenizer, train_examples, sets, reward, resume, log, preempt)
         finally:

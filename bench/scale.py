@@ -28,6 +28,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import config  # noqa: E402
+import parallel  # noqa: E402
 import train  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
@@ -78,15 +80,15 @@ def main():
     world_env = int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if args.device == "cuda" and world_env > 1
                           else args.device)
-    train.init_processes(device)  # torchrun: NCCL on GPUs, gloo on CPU; nothing in one process
-    rank, world = train.rank(), train.world()
+    parallel.init_processes(device)  # torchrun: NCCL on GPUs, gloo on CPU; nothing in one process
+    rank, world = parallel.rank(), parallel.world()
     if args.samples % (4 * world):
         sys.exit(f"error: --samples {args.samples} must be whole groups of 4 on each of {world} ranks")
 
-    arch = GLMConfig.from_hf(dict(train.PUBLISHED["GLM-Z1-9B-0414"], num_hidden_layers=args.layers,
+    arch = GLMConfig.from_hf(dict(config.PUBLISHED["GLM-Z1-9B-0414"], num_hidden_layers=args.layers,
                                   dsa=(TINY_DSA if args.tiny else DSA) if args.dsa else None,
                                   **(TINY_SHAPE if args.tiny else {})))
-    cfg = train.load_config(os.path.join(ROOT, "configs", "glm9b_math.yaml"), [
+    cfg = config.load_config(os.path.join(ROOT, "configs", "glm9b_math.yaml"), [
         f"optim.max_tokens_per_micro_batch={args.tokens}", f"train.parallel={args.parallel}",
         f"rollout.max_batch={args.gen_batch}"])
 
@@ -98,7 +100,7 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     for name, p in model.named_parameters():
         p.requires_grad_(".indexer." not in name)  # frozen in RL, as in train_rl
-    learner = train.parallel_learner(cfg, model, device)  # FSDP2/DDP under torchrun; the model itself alone
+    learner = parallel.parallel_learner(model, device, cfg.train.parallel)  # FSDP2/DDP under torchrun; the model itself alone
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
                                   betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
 
@@ -119,21 +121,21 @@ def main():
         m = train.rl_step(cfg, learner, None, optimizer, None, batch, 0)  # version 0: the batch stays fresh
         sync(device)
         step_s.append(time.perf_counter() - t0)
-    tokens = sum(train.all_gather(m["train/tokens"]))  # the global batch
-    step = max(train.all_gather(statistics.median(step_s[1:])))  # ranks step together: the slowest decides
+    tokens = sum(parallel.all_gather(m["train/tokens"]))  # the global batch
+    step = max(parallel.all_gather(statistics.median(step_s[1:])))  # ranks step together: the slowest decides
     learner_mem = peak_gib(device)
 
-    # ---- generator: a second copy in the engine's dtype (train.make_engine: bf16 on cuda, fp32 on CPU)
+    # ---- generator: a second copy in the engine's dtype (rollout.make_engine: bf16 on cuda, fp32 on CPU)
     gen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         gen_model = GLM(arch).to(gen_dtype)
     engine = TorchEngine(gen_model.to_empty(device=device), max_batch=args.gen_batch)
-    engine.update_weights(train.full_weights(learner, gen_dtype), 0)  # fills the empty copy (and warms up)
+    engine.update_weights(parallel.full_weights(learner, gen_dtype), 0)  # fills the empty copy (and warms up)
     publish_s = []
     for version in range(1, 4):
-        train.barrier()
+        parallel.barrier()
         t0 = time.perf_counter()
-        engine.update_weights(train.full_weights(learner, gen_dtype), version)  # synchronizes on cuda itself
+        engine.update_weights(parallel.full_weights(learner, gen_dtype), version)  # synchronizes on cuda itself
         publish_s.append(time.perf_counter() - t0)
     del learner, model, optimizer, m  # from here on the GPU holds the generator alone: its memory is its own
     gc.collect()

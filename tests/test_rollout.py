@@ -126,6 +126,30 @@ def tiny_model_for(tok):
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])
+def test_weights_land_between_batches(staleness):
+    """Without partial rollouts, publish(v) waits until batch v + staleness - 1 is done: batch i is sampled
+    wholly by version i - staleness (never a mix), whatever the timing; pending() lists what a checkpoint
+    must keep, and a Generator built with those batches hands them out first."""
+    gen = make_generator(staleness)
+    gen.start()
+    try:
+        for step in range(4):
+            batch = gen.get(timeout=30)
+            assert {s.versions for s in batch.samples} == {(max(0, step - staleness),) * 2}, step
+            gen.publish([], version=step + 1)  # returns only once the batches sampled by older weights are done
+            assert gen.index >= step + 1 + staleness
+            kept = gen.pending(step + 1)
+            assert [b.index for b in kept] == list(range(step + 1, step + 1 + staleness))
+    finally:
+        gen.stop()
+    resumed = make_generator(staleness)
+    resumed = Generator(resumed.engine, resumed.stream, resumed.tokenizer, prompts_per_step=2, n=2,
+                        sampling=resumed.sampling, max_staleness=staleness, dynamic_sampling=False, chat_template=True,
+                        max_prompt_tokens=32, first_index=4, ready=kept)
+    assert resumed.index == 4 + staleness and [resumed.get(timeout=1).index for _ in kept] == [b.index for b in kept]
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_staleness_gate(staleness):
     gen = make_generator(staleness)
     gen.start()
