@@ -14,6 +14,8 @@ with values) becomes O(T * k). Pieces, in the order the model uses them:
   - `Indexer`: the projections (query per head, one LayerNorm'd key per token, per-head weights).
   - `index_scores`, `select_topk`: fp32 scores and deterministic `torch.topk` under the attention mask.
   - `sparse_attention`: softmax attention over the gathered top-k keys; all heads share the set.
+    Keys are gathered by `index_gather`, whose backward sums in a fixed order: autograd's own (float
+    atomics on a multi-threaded CPU) made two runs with the same seed train different weights.
   - `dense_indexer_kl`, `sparse_indexer_kl`: the two losses that train the indexer when a dense
     checkpoint is converted to DSA (dense warm-up, then sparse stage). The indexer sees detached
     inputs, and its target is detached, so it learns only from its KL and the model only from the LM loss.
@@ -37,6 +39,7 @@ false`) keeps this file's plain-PyTorch path, which is also the CPU path and the
 Masks are passed as objects with a `.dense(q0, q1) -> bool [B|1, q1-q0, Tk]` method (model.AttnMask),
 so nothing here materialises a [T, T] matrix for more than one chunk of queries at a time.
 """
+import math
 from dataclasses import dataclass
 
 import torch
@@ -169,10 +172,54 @@ def select_topk(q, w, k, mask, topk):
     return idx, valid
 
 
+class _IndexGather(torch.autograd.Function):
+    """x[index] (advanced indexing on x's leading dims) with a backward that is the same every run.
+
+    Autograd's own backward of x[index] is index_put_(accumulate=True), which on a CPU running more than
+    one thread adds float32 rows with atomics, in whatever order the threads get there. A key that many
+    queries select (every query of a sequence picks that sequence's first keys) thus gets its gradient
+    summed in a different order each run, and two runs with the same seed drift apart. Here the CPU sums
+    with index_add_, which adds each row's contributions in a fixed order. On CUDA index_put_ stays: its
+    accumulate sorts the indices first and is deterministic (PyTorch lists only the CPU one as not)."""
+
+    @staticmethod
+    def forward(ctx, x, *index):
+        ctx.save_for_backward(*index)
+        ctx.shape = x.shape
+        return x[index]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        index, shape = ctx.saved_tensors, ctx.shape
+        n = len(index)
+        if grad.is_cuda:
+            return grad.new_zeros(shape).index_put_(index, grad, accumulate=True), *[None] * n
+        # x as a table of rows [N, W] (N: its indexed dims, W: the rest); grad [*I, W...] holds M = prod(I)
+        # gathered rows, I being the indices' broadcast shape, and rows [M] says which row each one came from.
+        N, W = math.prod(shape[:n]), math.prod(shape[n:])
+        rows = 0
+        for i, size in zip(index, shape[:n]):
+            rows = rows * size + i
+        rows = rows.expand(grad.shape[:grad.dim() - len(shape) + n]).reshape(-1)
+        # bf16 (or fp16) gradients are summed in fp32, as the Triton kernel's dK, dV are, and rounded once
+        acc = torch.zeros(N, W, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
+        acc.index_add_(0, rows, grad.reshape(-1, W).to(acc.dtype))
+        return acc.view(shape).to(grad.dtype), *[None] * n
+
+
+def index_gather(x, *index):
+    """x[index] for long index tensors over x's leading dims (broadcast together), e.g. x[b, idx].
+    The same values as plain indexing; differentiable in x with a run-to-run deterministic backward."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _IndexGather.apply(x, *index)
+    return x[index]
+
+
 def _gather(x, idx):
     """x [B, Tk, ...], idx [B, c, K] -> [B, c, K, ...]."""
     b = torch.arange(x.shape[0], device=x.device)[:, None, None]
-    return x[b, idx]
+    return index_gather(x, b, idx)
 
 
 def _sparse_chunk(q, kh, vh, idx, valid, scale):
@@ -180,7 +227,9 @@ def _sparse_chunk(q, kh, vh, idx, valid, scale):
     Hkv = kh.shape[1]
     b = torch.arange(B, device=q.device)[:, None, None, None]
     n = torch.arange(Hkv, device=q.device)[None, :, None, None]
-    ks, vs = kh[b, n, idx[:, None]], vh[b, n, idx[:, None]]  # [B, Hkv, c, K, D], ready for batched matmul
+    # [B, Hkv, c, K, D], ready for batched matmul; index_gather, not kh[b, n, idx], so that backward's
+    # sum over the queries that picked a key runs in a fixed order
+    ks, vs = index_gather(kh, b, n, idx[:, None]), index_gather(vh, b, n, idx[:, None])
     qg = q.view(B, c, Hkv, H // Hkv, D).transpose(1, 2)  # [B, Hkv, c, G, D]: GQA groups under their KV head
     with fp32_scope(q):  # logits, softmax and the weighted sum in fp32, as a fused kernel keeps them
         att = (qg.float() @ ks.float().transpose(-1, -2)) * scale  # [B, Hkv, c, G, K]

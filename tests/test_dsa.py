@@ -462,3 +462,79 @@ def test_indexcache_reload_keeps_trained_indexers(tmp_path, capsys):
     assert sparse.layers[1].self_attn.indexer is None
     for a, b in zip(sparse.layers[0].self_attn.indexer.parameters(), m.layers[0].self_attn.indexer.parameters()):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- run-to-run determinism
+# Two runs with the same seed must train the same model, bit for bit. Autograd's own backward of x[b, idx]
+# (index_put_ with accumulate) adds float32 rows with atomics whenever the CPU runs several threads, so the
+# gradient of a key that many queries pick was rounded differently in every run: two runs of the tiny default
+# config (train.py, seed 0, 2 threads) drifted apart 16 steps into the supervised stage.
+
+@pytest.fixture
+def set_threads():
+    """torch.set_num_threads for one test; the session's setting comes back afterwards."""
+    n = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(n)
+
+
+def test_gathered_keys_backward_is_bitwise_deterministic(set_threads):
+    """The worst case for the order of a sum, on the bug report's 2 threads: every query picks the same first
+    keys (as a fresh indexer's near-ties do), and one KV head, so both threads' halves land on the same keys."""
+    set_threads(2)
+    T, K, d = 4096, 8, 16
+    g = torch.Generator().manual_seed(0)
+    ik = torch.randn(1, T, d, generator=g, requires_grad=True)
+    q = torch.randn(1, T, 2, d, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, T, 1, d, generator=g, requires_grad=True) for _ in range(2))
+    idx = torch.arange(K).expand(1, T, K)
+    valid = torch.ones(1, T, K, dtype=torch.bool)
+    grad_ks, grad_out = torch.randn(1, T, K, d, generator=g), torch.randn(1, T, 2, d, generator=g)
+
+    def grads():
+        a = torch.autograd.grad(dsa._gather(ik, idx), ik, grad_ks)
+        return a + torch.autograd.grad(dsa.sparse_attention(q, k, v, idx, valid, d**-0.5), (q, k, v), grad_out)
+
+    first = grads()
+    plain = torch.autograd.grad(ik[0][idx], ik, grad_ks)[0]
+    assert rel_err(first[0], plain) < 1e-5  # autograd's own gradient, but for the order of the sums
+    for _ in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(grads(), first))
+
+
+def tiny_cpu_dsa():
+    """configs/tiny_cpu.yaml's model, with the character tokenizer's vocabulary size."""
+    return GLMConfig(vocab_size=40, hidden_size=96, intermediate_size=256, num_layers=3, num_heads=4, num_kv_heads=2,
+                     head_dim=24, max_position_embeddings=64,
+                     dsa=dict(topk=8, heads=4, head_dim=16, rope_dim=8, pattern="FS"))
+
+
+@pytest.mark.parametrize("stage", ["sparse", "dense"])
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_training_step_is_bitwise_deterministic(stage, amp, set_threads):
+    """What train.py's warm-up stages do on a CPU: one packed row of short sequences (positions restarting
+    at 0), LM loss + indexer KL, backward; repeated, every gradient and the KL must come out the same bits.
+    4 threads: with 2, the threads' halves of a packed row share few keys and reach them at different
+    times, so the old race showed only now and then (16 steps into a run); with 4 it shows at once."""
+    set_threads(4)
+    torch.manual_seed(0)
+    m = GLM(tiny_cpu_dsa())
+    g = torch.Generator().manual_seed(1)
+    lens = torch.randint(12, 24, (16,), generator=g).tolist()  # ~280 tokens: enough for index_put_'s threads
+    ids = torch.randint(0, 40, (1, sum(lens)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            logits, kl = m(ids, position_ids=pos, indexer_loss=stage)
+            nll = -logits.float().log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).mean()
+        (nll + kl).backward()
+        return kl.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    kl, grads = step()
+    assert len(grads) == len(list(m.parameters()))
+    for _ in range(2):
+        kl2, grads2 = step()
+        assert torch.equal(kl2, kl)
+        assert [n for n in grads if not torch.equal(grads[n], grads2[n])] == []
