@@ -311,7 +311,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
                     first_index=version, partial_rollout=r.partial_rollout, ready=ready)
     if version == 0:
         log.write("rl", 0, run_eval(cfg, engine, tokenizer, sets, stop_ids, reward))
-    bar, m = tqdm(total=t.rl_steps, initial=version, desc="rl", dynamic_ncols=True, disable=rank() != 0), {}
+    bar, m, acc = tqdm(total=t.rl_steps, initial=version, desc="rl", dynamic_ncols=True, disable=rank() != 0), {}, None
     gen.start()
     try:
         while version < t.rl_steps:
@@ -338,8 +338,8 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
                 m |= run_eval(cfg, engine, tokenizer, sets, stop_ids, reward)
             log.write("rl", version, m)
             bar.update(1)
-            acc = next((v for k, v in m.items() if k.endswith("/accuracy")), None)
-            bar.set_postfix(reward=f"{m['rollout/reward']:.2f}", **({"acc": f"{acc:.2f}"} if acc is not None else {}))
+            acc = next((v for k, v in m.items() if k.endswith("/accuracy")), acc)  # the latest eval's first set
+            bar.set_postfix(reward=f"{m['rollout/reward']:.2f}", acc="-" if acc is None else f"{acc:.2f}")
             stop = preempt.requested()
             if version % t.save_every == 0 or version == t.rl_steps or stop:
                 pending = gen.pending(version)  # what the next steps train on: sampled by weights older than these

@@ -138,19 +138,6 @@ def test_a_non_finite_step_is_skipped_and_changes_nothing(rollouts):
     assert m["train/skipped"] == 0.0 and opt.state
 
 
-def test_skips_in_a_row_stop_with_one_line():
-    skips = parallel.Skips(limit=3)
-    for step in range(1, 3):
-        skips.update("rl", step, {"train/skipped": 1.0, "train/loss": float("nan"), "train/grad_norm": 1.0})
-    skips.update("rl", 3, {"train/skipped": 0.0})  # a good step resets the run
-    assert (skips.total, skips.run) == (2, 0)
-    for step in range(4, 6):
-        skips.update("rl", step, {"train/skipped": 1.0, "train/loss": 1.0, "train/grad_norm": float("inf")})
-    with pytest.raises(FloatingPointError) as e:
-        skips.update("rl", 6, {"train/skipped": 1.0, "train/loss": 1.0, "train/grad_norm": float("inf")})
-    assert str(e.value).startswith("rl step 6: grad_norm inf for 3 steps in a row") and "\n" not in str(e.value)
-
-
 def test_packed_logprobs_match_a_bf16_generator_under_autocast(rollouts):
     """The GPU's dtypes: the learner's fp32 master weights under bf16 autocast against a generator holding
     bf16 weights, with sparse attention (an indexer trained to imitate attention, as after the warm-up).
@@ -638,6 +625,32 @@ def test_two_processes_resume_exactly(two_proc_run, tmp_path):
     a, b = (dict(GLM.from_pretrained(checkpoint.checkpoints(d)[-1]).named_parameters()) for d in (run_dir, two_proc_run))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_two_processes_killed_and_resumed_end_exactly(two_proc_run, tmp_path):
+    """SIGKILL to both processes (and the launcher) in the RL stage, --resume: the same run as never killed."""
+    run_dir = str(tmp_path / "killed2")
+    args = ["--config", TINY, f"run_dir={run_dir}", *FAST, "rollout.max_staleness=0", "train.parallel=fsdp"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "train.pairs=2"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    wait_for(lambda: any(os.path.basename(c) >= "step_000006" for c in checkpoint.checkpoints(run_dir)), proc, timeout=240)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children are in their own sessions: find them by their run_dir
+    proc.wait()
+    subprocess.run(["pkill", "-9", "-f", f"run_dir={run_dir}"])
+    run_procs(run_dir, "train.parallel=fsdp", resume=True)
+    assert without_times(metrics(run_dir)) == without_times(metrics(two_proc_run))
+    a, b = final_weights(run_dir), final_weights(two_proc_run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_multi_process_error_is_one_line(tmp_path):
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "1+1=" * n, "label": "2"}) + "\n" for n in (1, 40)))
+    p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "train.pairs=2", f"data.eval={path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert [line for line in p.stderr.splitlines() if line.strip()] == [
+        f"error: 1 of 2 prompts in {path} are longer than rollout.max_prompt_tokens=32 (the longest has 162 tokens)"]
 
 
 def test_resume_needs_the_same_number_of_processes(two_proc_run, tmp_path):
