@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import ConfigError
+from dsa import FP32_PARAMS
 from model import GLM
 
 
@@ -198,8 +199,8 @@ def full_weights(model, dtype=None):
     must consume the whole sequence: each gather is a collective."""
     for name, p in unwrap(model).named_parameters():
         p = p.detach()
-        if hasattr(p, "full_tensor"):
-            p = (p.to(dtype) if dtype is not None else p).full_tensor()
+        if hasattr(p, "full_tensor"):  # dsa.FP32_PARAMS travel in fp32: the engine keeps them so
+            p = (p.to(dtype) if dtype is not None and not name.endswith(FP32_PARAMS) else p).full_tensor()
         yield name, p
 
 

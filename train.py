@@ -413,6 +413,8 @@ def main(argv=None):
 
     devices = pair_devices(cfg)  # (generator, learner)
     init_processes(devices[1])
+    if cfg.rollout.prompts_per_step % world():  # torchrun decides the world size, not train.pairs
+        raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over {world()} processes")
     if devices[1].type == "cuda":  # fail now, not after loading 18 GB and compiling kernels
         problems = plan_memory(cfg, world()).problems(torch.cuda.get_device_properties(devices[1]).total_memory)
         if problems:
