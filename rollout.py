@@ -520,8 +520,8 @@ class Generator:
                 generated += g
                 rewards = {s.reward for s in g}
                 (spare if self.dynamic_sampling and len(rewards) == 1 else kept).append(g)
-        dropped = len(spare)
-        kept += spare[:self.prompts_per_step - len(kept)]
+        top_up = spare[:self.prompts_per_step - len(kept)]  # too few informative groups: uniform ones fill in
+        dropped, kept = len(spare) - len(top_up), kept + top_up
         samples = []
         for gi, g in enumerate(kept):
             for s in g:

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+import rollout
 from data import PromptStream, make_tiny_tokenizer
 from model import GLM, GLMConfig, hf_name
 from rollout import Completion, Generator, SamplingParams, SGLangEngine, TorchEngine, evaluate, sample_tokens
@@ -189,6 +190,17 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills():
     assert len(groups) == 2 and all(sorted(r) == [0.0, 1.0] for r in groups.values())
     uniform_drawn = sum(label in ("3", "5") for label in seen)
     assert batch.metrics["rollout/groups_dropped"] == uniform_drawn >= 1
+
+
+def test_uniform_groups_used_to_top_up_are_not_counted_as_dropped():
+    gen = make_generator(1, dynamic=True)  # every reward 0: no informative group in MAX_SAMPLING_ROUNDS draws
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)
+    finally:
+        gen.stop()
+    drawn = rollout.MAX_SAMPLING_ROUNDS * 2  # 2 prompts per step, redrawn in each round
+    assert len({s.group for s in batch.samples}) == 2 and batch.metrics["rollout/groups_dropped"] == drawn - 2
 
 
 def test_generator_error_surfaces_at_once():
