@@ -5,7 +5,7 @@ The run directory, and everything that makes a run survive a kill:
     run_dir/metrics.jsonl       one JSON line per step (MetricsLog)
     run_dir/init_model/         a fresh model's starting weights (model.init), rebuilt if its config changes
     run_dir/reference/          the KL reference (grpo.kl_coef > 0 or kl_guard), the policy RL started from
-    run_dir/checkpoints/step_XXXXXX/   a Hugging Face model directory plus state.pt, numbered by steps
+    run_dir/checkpoints/step_001020/   a Hugging Face model directory plus state.pt, named by the step
                                 across stages: stage, step, optimizer, KL guard, skipped steps, and per
                                 rank the data position, the RNGs and the rollout batches already sampled
 
@@ -89,7 +89,7 @@ def set_rng_state(rng):
 
 
 def save_checkpoint(cfg, model, tokenizer, stage, step, optimizer, rank_state, **state):
-    """run_dir/checkpoints/step_XXXXXX/: an HF model directory plus state.pt, everything needed to
+    """run_dir/checkpoints/step_<global step, 6 digits>/: an HF model directory plus state.pt, all needed to
     continue exactly. rank_state is this rank's own (data position, pending rollout batches); state is
     global (KL guard, skipped steps). Every rank takes part (FSDP gathers the full weights and optimizer
     state onto rank 0, in CPU memory); rank 0 writes. Several machines: run_dir must be storage that all
@@ -158,12 +158,8 @@ def load_latest(run_dir, load_model, processes):
 def starting_point(cfg, run_dir) -> str:
     """The directory the run starts from: model.path, or a fresh random model (plus its tokenizer)
     written to run_dir/init_model, so that it loads through the same code as a real checkpoint. A leftover
-    init_model/ made from other settings (a failed start, then a retry) is rebuilt, never reused."""
-    for key in ("path", "tokenizer"):  # local directories only: never a silent download attempt
-        where = getattr(cfg.model, key)
-        if where is not None and not os.path.isfile(os.path.join(where, "config.json" if key == "path" else "tokenizer_config.json")):
-            what = "is not a directory" if not os.path.isdir(where) else "has no " + ("config.json" if key == "path" else "tokenizer_config.json")
-            raise ValueError(f"model.{key}: {where} {what} (download the model there first)")
+    init_model/ made from other settings (a failed start, then a retry) is rebuilt, never reused.
+    (config.check_paths has made sure that model.path and model.tokenizer hold what they must.)"""
     if cfg.model.path is not None:
         return cfg.model.path
     out = os.path.join(run_dir, "init_model")

@@ -340,9 +340,11 @@ def check_config(cfg: Config, where):
 
 def check_paths(cfg: Config):
     """The files a run reads exist (before processes start and before any weights load)."""
-    for key in ("model.path", "model.tokenizer"):
-        if get(cfg, key) is not None and not os.path.isdir(get(cfg, key)):
-            raise ConfigError(f"{key}: {get(cfg, key)} is not a directory (download the model there first)")
+    for key, needed in (("model.path", "config.json"), ("model.tokenizer", "tokenizer_config.json")):
+        where = get(cfg, key)  # local directories only: never a silent download attempt
+        if where is not None and not os.path.isfile(os.path.join(where, needed)):
+            what = f"has no {needed}" if os.path.isdir(where) else "is not a directory"
+            raise ConfigError(f"{key}: {where} {what} (download the model there first)")
     for key, path in [("data.train", cfg.data.train)] + [(f"data.eval ({n})", p) for n, p in eval_sets(cfg).items()]:
         if path != "synthetic" and not os.path.isfile(path):
             raise ConfigError(f"{key}: {path}: no such file (expected a JSONL prompt file)")

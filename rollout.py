@@ -95,9 +95,9 @@ class TorchEngine:
     eval take turns batch by batch, so the GPU never holds two caches that the memory plan did not count.
     The engine owns its model: it is put in eval mode and frozen, so never hand it the learner's."""
 
-    def __init__(self, model: GLM, max_batch: int = 64, partial_rollout: bool = True):
+    def __init__(self, model: GLM, max_batch: int = 64):
         self.model = model.eval().requires_grad_(False)
-        self.max_batch, self.partial_rollout = max_batch, partial_rollout
+        self.max_batch = max_batch
         self.version = 0
         self.lock = threading.Lock()  # held for one forward or one weight update
         self.batch_lock = threading.Lock()  # held for a whole batch: its KV cache is the only one
@@ -135,7 +135,6 @@ class TorchEngine:
         with self.lock:
             logits = self.model(ids, position_ids=pos, attention_mask=mask, cache=cache, last_only=True)[:, -1]
             version = self.version
-        start_version = version
         tokens = [[] for _ in range(B)]
         logps = [[] for _ in range(B)]
         versions = [[version, version] for _ in range(B)]
@@ -158,8 +157,7 @@ class TorchEngine:
             keep = ~done.cpu()
             if step + 1 == sampling.max_new_tokens or not keep.any():
                 break
-            aborted = self._abort.is_set() or (not self.partial_rollout and self.version != start_version)
-            if aborted:
+            if self._abort.is_set():
                 for r in alive[keep].tolist():
                     finish[r] = "abort"
                 break
@@ -582,4 +580,4 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int):
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
                             mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None)
     model = GLM.from_pretrained(model_dir, dsa=dsa, device=device)
-    return TorchEngine(model, max_batch=rollout.max_batch, partial_rollout=rollout.partial_rollout)
+    return TorchEngine(model, max_batch=rollout.max_batch)  # when weights land is the Generator's choice

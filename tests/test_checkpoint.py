@@ -51,15 +51,6 @@ def test_init_model_is_rebuilt_when_its_settings_change(tmp_path, capsys):
     assert GLM.from_pretrained(out).cfg.hidden_size == 128
 
 
-def test_model_path_errors_name_the_directory(tmp_path):
-    cfg = config.load_config(TINY, [f"run_dir={tmp_path}", "model.init=null", f"model.path={tmp_path}"])
-    with pytest.raises(ValueError, match=rf"^model.path: {tmp_path} has no config.json \(download the model there first\)$"):
-        checkpoint.starting_point(cfg, str(tmp_path))  # an empty directory: not transformers' sentencepiece advice
-    cfg.model.path = str(tmp_path / "missing")
-    with pytest.raises(ValueError, match="is not a directory"):
-        checkpoint.starting_point(cfg, str(tmp_path))
-
-
 def test_resume_falls_back_past_an_unreadable_checkpoint(tmp_path, capsys):
     tok, root = data.make_tiny_tokenizer(), tmp_path / "checkpoints"
     models = {}

@@ -178,3 +178,15 @@ def test_cli_config_error_is_one_line():
         f"error: command line: unknown key rollout.temprature (did you mean rollout.temperature?)"]
 
 
+
+
+def test_model_paths_are_checked_before_any_work(tmp_path):
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "model.init=null", f"model.path={tmp_path}"])
+    with pytest.raises(ConfigError, match=rf"^model.path: {tmp_path} has no config.json \(download the model there first\)$"):
+        config.check_paths(cfg)  # an empty directory: not transformers' advice to install sentencepiece
+    cfg.model.path = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        config.check_paths(cfg)
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", f"model.tokenizer={tmp_path}"])
+    with pytest.raises(ConfigError, match="model.tokenizer: .* has no tokenizer_config.json"):
+        config.check_paths(cfg)

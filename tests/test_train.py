@@ -23,6 +23,7 @@ import yaml
 import checkpoint
 import config
 import data
+import dsa
 import grpo
 import parallel
 import train
@@ -468,7 +469,7 @@ def test_environment_failures_are_one_line(tmp_path):
     p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "model.init=null",
                         f"model.path={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and p.stderr.strip().splitlines()[-1] == \
-        f"error: model.path: {tmp_path}/config.json not found (download the checkpoint first)"  # not sentencepiece advice
+        f"error: model.path: {tmp_path} has no config.json (download the model there first)"  # not sentencepiece advice
 
 
 # ----------------------------------------------------------------------------- hooks: reward, data, eval
@@ -555,6 +556,10 @@ def rl_steps_on_fixed_batch(mode, agg):
         batch = RolloutBatch(samples, index=version, stream_state={}, metrics={})
         m = train.rl_step(cfg, learner, ref, opt, grpo.KLGuard(), batch, version)
     assert m["train/samples"] == (0 if parallel.rank() == 1 else 12)  # step 2: rank 1 had only stale samples
+    if mode == "fsdp" and parallel.world() > 1:  # published to a bf16 engine: the indexer's fp32 weights stay fp32
+        published = list(parallel.full_weights(learner, torch.bfloat16))  # every rank gathers every tensor
+        wrong = [(n, t.dtype) for n, t in published if (t.dtype == torch.float32) != n.endswith(dsa.FP32_PARAMS)]
+        assert not wrong, wrong
     return {k: v.clone() for k, v in parallel.full_weights(learner)}
 
 
