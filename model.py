@@ -774,12 +774,13 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # Learner activations of one packed row of T tokens. The residual stream is bf16 (a = 2 bytes) under
     # FSDP (bf16 weights) and DDP alike (model.GLM.forward casts it to autocast's dtype).
     a = 2
+    pad = 1 / GROUP_RATIO  # attention regroups the row's sequences, right-padded: at most this many slots a token
     block = T * (4 * (4 + 2 * a) * h  # 4 RMSNorms: fp32 copy of the input, normalised, output [T, h]
                  + 2 * 2 * (HD + KD) + 2 * KD  # q [T, H*D], k [T, Hkv*D] before and after RoPE; v [T, Hkv*D]
-                 + 2 * 2 * HD  # masked SDPA: k and v expanded to H heads (memory-efficient kernel, no scores)
-                 + 2 * HD + 4 * H  # attention output [T, H*D] bf16, its log-sum-exp [H, T] fp32
+                 + int(pad * (2 * (HD + 2 * KD) + 2 * HD + 4 * H))  # per group: q, k, v, output bf16, LSE fp32
+                 + 2 * HD  # the attention output back in row order [T, H*D] (no mask anywhere: flash kernel)
                  + 2 * (2 * I + I + I)  # gate_up [T, 2I], silu(gate) [T, I], act = silu(gate) * up [T, I]
-                 + a * h) + 3 * T * T  # residual after attention [T, h]; packed-row mask [T, T] bool + bf16 bias
+                 + a * h)  # residual after attention [T, h]
     block_grads = T * 2 * 4 * I  # backward's gradients of the MLP tensors [T, 4I] bf16
     sparse = cfg.dsa is not None and cfg.dsa.topk < T
     if sparse:  # DSA inside the block: select_topk without grad, sparse_attention's chunks with

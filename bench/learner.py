@@ -141,8 +141,8 @@ def hf_part(repo, repeat):
         batch = RolloutBatch(samples=samples, index=0, stream_state={})
         tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
         adv = torch.tensor([s.reward - 0.5 for s in samples])
-        opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.1)
-        opt_hf = torch.optim.AdamW(hf.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.1)
+        opt_ours, opt_hf = (torch.optim.AdamW(m.parameters(), lr=1e-6, betas=(0.9, 0.98), weight_decay=0.1, fused=True)
+                            for m in (ours, hf))  # the same optimizer on both sides (train.adamw's)
         times = {"ours": [], "hf": []}
         for i in range(1 + repeat):  # the first round allocates AdamW state: untimed
             for name in ("ours", "hf"):  # interleaved, so drift on the machine hits both alike

@@ -242,7 +242,7 @@ TINY = GLMConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers
                  head_dim=16, dsa=DSAConfig(topk=8, heads=2, head_dim=8, rope_dim=4, pattern="FS"))
 NINE_B = GLMConfig(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_layers=40, num_heads=32,
                    num_kv_heads=2, head_dim=128)  # GLM-Z1-9B-0414
-RECIPE = dict(learner_gpus=4, parallel="fsdp", micro_batch_tokens=4608, gradient_checkpointing=True,
+RECIPE = dict(learner_gpus=4, parallel="fsdp", micro_batch_tokens=16384, gradient_checkpointing=True,
               trainable_indexer=False, reference=False, generator_batch=128, generator_max_len=1024 + 16384,
               prompt_len=1024, engine="torch")
 H100 = 80e9  # "80 GB" in bytes = 74.5 GiB (nvidia-smi shows 79.6 GiB: this is the cautious side)
@@ -310,7 +310,7 @@ def test_memory_plan_fsdp_shards_scale_with_gpus():
 def test_memory_plan_9b_recipe_on_h100():
     plan = memory_plan(NINE_B, **RECIPE)
     assert 9.3e9 < plan.params < 9.5e9
-    assert plan.learner_bytes() < H100 - 20 * 2**30  # FSDP over 4: ~49 GiB, with room to spare
+    assert plan.learner_bytes() < H100 - 15 * 2**30  # FSDP over 4, 16K-token micro-batches: ~56 GiB, room to spare
     assert not any(p.startswith("learner") for p in plan.problems(H100))
     # Our engine preallocates batch x max_len slots: 128 x 17408 x 40 KiB = 85 GiB of KV cache alone.
     assert dict(plan.generator)["KV cache bf16, 128 x 17408 slots (rollout and eval, one at a time)"] == 128 * 17408 * (40 * 2 * 2 * 128 * 2 + 1)
