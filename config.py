@@ -24,6 +24,9 @@ from model import GLMConfig, memory_plan
 
 H100_BYTES = 80 * 10**9  # what --dry-run plans for (an H100 SXM has 80 GB = 79.6 GiB)
 LOGIT_CHUNK = 1024  # response tokens per lm_head call: a [1024, 151552] fp32 block is 620 MB
+# A micro-batch whose fp32 logits [response tokens, vocab] take at most this keeps them for backward instead
+# of recomputing lm_head there (at 9B: at most 110 response tokens; small models: every micro-batch)
+LOGIT_KEEP_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -405,4 +408,4 @@ def plan_memory(cfg: Config, processes):
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
                        generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
                        prompt_len=r.max_prompt_tokens, engine=r.engine, sglang_mem_fraction=r.sglang_mem_fraction,
-                       logit_chunk=LOGIT_CHUNK, dsa_kernels=cfg.model.dsa_kernels)
+                       logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES, dsa_kernels=cfg.model.dsa_kernels)

@@ -113,23 +113,27 @@ class GLMConfig:
 
 # ----------------------------------------------------------------------------- rotary embedding
 
-def rope_cos_sin(position_ids, dim, theta):
-    """position_ids [B, T] -> cos, sin [B, T, dim/2] in fp32 (one angle per rotated pair)."""
+def rope_cos_sin(position_ids, dim, theta, width):
+    """position_ids [B, T] -> cos, sin [B, T, width] in fp32, laid out for apply_rope: the rotated pair
+    (x_2i, x_2i+1) of the first `dim` dims turns by angle_i, so cos holds (cos_i, cos_i) there and sin
+    (-sin_i, +sin_i); the last width - dim dims pass unchanged (cos 1, sin 0)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim)
-    angles = position_ids[..., None].float() * inv_freq
-    return angles.cos(), angles.sin()
+    angles = position_ids[..., None].float() * inv_freq  # [B, T, dim/2]
+    sign = torch.tensor([-1.0, 1.0], device=position_ids.device)
+    cos = angles.cos().repeat_interleave(2, -1)
+    sin = (angles.sin()[..., None] * sign).flatten(-2)
+    rest = width - dim
+    return F.pad(cos, (0, rest), value=1.0), F.pad(sin, (0, rest), value=0.0)
 
 
 def apply_rope(x, cos, sin):
-    """Rotate interleaved pairs (x0,x1), (x2,x3), ... of the first 2*cos.shape[-1] dims; the rest pass.
-    x [B, T, H, D] (or [B, T, D]); cos, sin [B, T, R/2]."""
-    r = 2 * cos.shape[-1]
+    """Rotate interleaved pairs (x0,x1), (x2,x3), ... : x0' = x0 cos - x1 sin, x1' = x1 cos + x0 sin, as
+    x * cos + swap(x) * sin with rope_cos_sin's tables (the same products and sums, so the same rounding,
+    in fewer passes than slicing the pairs apart). x [B, T, H, D] (or [B, T, D]); cos, sin [B, T, D]."""
     if x.dim() == 4:
         cos, sin = cos[:, :, None], sin[:, :, None]
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x1, x2 = x[..., 0:r:2], x[..., 1:r:2]
-    rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.cat((rotated, x[..., r:]), dim=-1)
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)
+    return x * cos.to(x.dtype) + swapped * sin.to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- masks and cache
@@ -427,9 +431,9 @@ class GLM(nn.Module):
         else:
             mask = AttnMask(torch.arange(T, device=device), T, valid, packed=Packed.of(position_ids) if packed else None)
 
-        rope = {"main": rope_cos_sin(position_ids, self.cfg.rope_dim, self.cfg.rope_theta)}
+        rope = {"main": rope_cos_sin(position_ids, self.cfg.rope_dim, self.cfg.rope_theta, self.cfg.head_dim)}
         if self.cfg.dsa is not None:
-            rope["index"] = rope_cos_sin(position_ids, self.cfg.dsa.rope_dim, self.cfg.rope_theta)
+            rope["index"] = rope_cos_sin(position_ids, self.cfg.dsa.rope_dim, self.cfg.rope_theta, self.cfg.dsa.head_dim)
         if indexer_loss not in (None, "dense", "sparse"):
             raise ValueError(f"indexer_loss must be None, 'dense' or 'sparse', got {indexer_loss!r}")
         if indexer_loss is not None and self.cfg.dsa is None:
@@ -747,11 +751,13 @@ def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad, kernels):
 def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
                 gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
                 generator_batch: int, generator_max_len: int, prompt_len: int, engine: str,
-                sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, dsa_kernels: bool = True) -> MemoryPlan:
+                sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
+                dsa_kernels: bool = True) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows of generator_max_len slots,
     prefilled with prompt_len tokens each; "sglang": its share of the GPU). logit_chunk: response tokens
-    per lm_head call (train.LOGIT_CHUNK). dsa_kernels: DSA runs dsa_triton's kernels (dsa.USE_TRITON)."""
+    per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch keeps for backward
+    instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA runs dsa_triton's kernels (dsa.USE_TRITON)."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
     with torch.device("meta"):
@@ -813,6 +819,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         learner += [("autocast's bf16 weight copies (held to the forward's end)",
                      2 * (Pt - (0 if cfg.tie_word_embeddings else V * h)))]  # the embedding table is not cast
         transients = [logits, one_block]
+    # a micro-batch with few response tokens keeps its log-probs [N, vocab] fp32 (and the entropy bonus's exp)
+    learner += [("small micro-batch's log-softmax kept for backward (2 x logit_keep)", 2 * logit_keep)]
     learner += [saved] + ([("DSA top-k idx int64 + valid [T, topk] per F layer", n_F * T * cfg.dsa.topk * 9)]
                           if sparse else [])
     name, peak = max(transients, key=lambda t: t[1])

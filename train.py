@@ -46,7 +46,7 @@ import dsa
 import grpo
 from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, reference_model, save_checkpoint,
                         set_rng_state, starting_point)
-from config import (H100_BYTES, LOGIT_CHUNK, Config, ConfigError, architecture, check_paths, eval_sets, load_config,
+from config import (H100_BYTES, LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config, ConfigError, architecture, check_paths, eval_sets, load_config,
                     load_run_config, plan_memory, save_config)
 from model import GLM
 from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy_rows, full_weights, global_sum,
@@ -96,9 +96,10 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     where = spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device)  # [N]
     h, targets = hidden[0, where], ids[0, where + 1]  # [N, hidden], [N]
     logp, ent = [], []
+    recompute = len(where) * net.cfg.vocab_size * 4 > LOGIT_KEEP_BYTES  # large logits: recompute, do not keep
     for c in range(0, len(where), LOGIT_CHUNK):
         args = (net.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature, entropy)
-        if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of keeping them
+        if torch.is_grad_enabled() and recompute:  # the chunk's logits are made again in backward
             lp, en = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, en = _chunk_logprobs(*args)

@@ -3,7 +3,7 @@ The learner's speed on RL-shaped batches. Writes the "learner" section of docs/b
 
     python bench/learner.py                      # both parts, CPU (a few minutes on 2 cores)
     python bench/learner.py --part hf            # only rl_step vs transformers
-    python bench/learner.py --repo ../old        # the same measurements on another checkout (before/after)
+    python bench/learner.py --before /tmp/old    # the task part on another checkout too, side by side
 
 1. `task`: the RL step a new user meets first. A tiny Glm4ForCausalLM checkpoint with its tokenizer
    (transformers' own class, saved to a temporary directory) is trained by `train.py` on JSONL addition
@@ -16,8 +16,8 @@ The learner's speed on RL-shaped batches. Writes the "learner" section of docs/b
    AdamW step), side by side in one process on the same weights. Two shapes: (a) many short responses
    like the tiny task, (b) a few long ones. Tokens are real tokens (prompt + response), padding excluded.
 
---repo runs everything against another checkout's train.py and modules (its API must match this
-script's): `git worktree add /tmp/old <commit>` and `--repo /tmp/old` measure the code before a change.
+--before DIR runs the task part on another checkout's train.py as well, alternating with this one:
+`git worktree add --detach /tmp/old <commit>` and `--before /tmp/old` show a change's before and after.
 """
 import argparse
 import json
@@ -35,12 +35,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
 
-# The tiny task's model: GLM-4's layout at a size a CPU trains in a fraction of a second per step.
-TASK_MODEL = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
-# The hf part's model: the same width, a larger vocabulary so the lm_head weighs as it does in real models.
-HF_MODEL = dict(TASK_MODEL, hidden_size=256, intermediate_size=704, num_attention_heads=8, vocab_size=4096,
-                max_position_embeddings=8192)
+# The task part's models: the default run's shape (configs/tiny_cpu.yaml) as a dense Glm4ForCausalLM, and a
+# wider one, where matmuls take a larger share of the step.
+TASK_MODELS = {
+    "tiny_cpu's shape (hidden 96, 3 layers, 4 heads / 2 KV)": dict(
+        hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24),
+    "hidden 128, 4 layers, 4 heads / 2 KV": dict(
+        hidden_size=128, intermediate_size=352, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32),
+}
+# The hf part's model: wider, with a vocabulary large enough for the lm_head to weigh as it does in real models.
+HF_MODEL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=32, vocab_size=4096, max_position_embeddings=8192)
 SHAPES = {  # name: (sequences, prompt tokens (lo, hi), response tokens (lo, hi)), lengths uniform in the ranges
     "a": ("many short: 128 sequences, prompt 4-8, response 2-12", 128, (4, 8), (2, 12)),
     "b": ("few long: 4 sequences, prompt 256, response 500-3000", 4, (256, 256), (500, 3000)),
@@ -53,15 +60,16 @@ def glm4_config(**kw):
                       partial_rotary_factor=0.5, attention_bias=True)
 
 
-def task_part(repo, steps):
-    """train.py of `repo` on the tiny HF checkpoint: returns (s/step, learner s/step, generator idle)."""
+def task_part(repo, steps, shape):
+    """train.py of `repo` on a tiny HF checkpoint of the given shape: returns (s/step, learner s/step,
+    generator idle, tokens/step)."""
     import data
     from transformers import Glm4ForCausalLM
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = os.path.join(tmp, "ckpt")
         tok = data.make_tiny_tokenizer(ckpt)
         torch.manual_seed(0)
-        Glm4ForCausalLM(glm4_config(vocab_size=len(tok), **TASK_MODEL)).save_pretrained(ckpt)
+        Glm4ForCausalLM(glm4_config(vocab_size=len(tok), max_position_embeddings=512, **shape)).save_pretrained(ckpt)
         for split in ("train", "test"):
             with open(os.path.join(tmp, f"{split}.jsonl"), "w") as f:
                 for ex in data.synthetic_task(800 if split == "train" else 16, seed=0, split=split):
@@ -121,7 +129,7 @@ def hf_step(model, optimizer, samples, adv):
     optimizer.step()
 
 
-def hf_part(repo, repeat):
+def hf_part(repeat):
     """[(shape, tokens, ours tokens/s, transformers tokens/s)] on one model, ours loaded from its weights."""
     import config
     import train
@@ -163,26 +171,34 @@ def hf_part(repo, repeat):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("all", "task", "hf"), default="all")
-    ap.add_argument("--repo", default=ROOT, help="the checkout whose train.py and modules are measured")
+    ap.add_argument("--before", help="another checkout whose train.py runs the task part too (before a change)")
     ap.add_argument("--steps", type=int, default=16, help="RL steps of the task part")
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per shape in the hf part (median)")
     ap.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
     args = ap.parse_args()
-    repo = os.path.abspath(args.repo)
-    sys.path.insert(0, repo)  # its modules before this checkout's
-    torch.set_num_threads(torch.get_num_threads())
     text = [f"### Learner: RL step and tokens/s vs transformers ({machine(torch.device('cpu'))})", ""]
     if args.part in ("all", "task"):
-        step, learner, idle, tokens = task_part(repo, args.steps)
-        print(f"task: {step:.3f} s/step, learner {learner:.3f} s/step, generator idle {idle:.0%}, {tokens:.0f} tokens/step",
-              flush=True)
-        text += [f"Command: `python bench/learner.py --part task --steps {args.steps}`. train.py on a tiny "
-                 "Glm4ForCausalLM checkpoint (hidden 256, 4 layers, 8 heads / 2 KV, character tokenizer) and JSONL "
-                 "addition prompts, 16 prompts x 8 samples of ~11 tokens, float32; medians over the RL steps but the first.",
-                 "", "| RL step s | learner s / step | generator idle | tokens / step |", "|---:|---:|---:|---:|",
-                 f"| {step:.3f} | {learner:.3f} | {idle:.0%} | {tokens:.0f} |", ""]
+        repos = ([("before", os.path.abspath(args.before))] if args.before else []) + [("this checkout", ROOT)]
+        rows = []
+        for model_name, shape in TASK_MODELS.items():
+            for name, repo in repos:  # before and after back to back, per model
+                step, learner, idle, tokens = task_part(repo, args.steps, shape)
+                rows.append((model_name, name, step, learner, idle, tokens))
+                print(f"task, {model_name}, {name}: {step:.3f} s/step, learner {learner:.3f} s/step, generator idle "
+                      f"{idle:.0%}, {tokens:.0f} tokens/step", flush=True)
+        text += [f"Command: `python bench/learner.py --part task --steps {args.steps}"
+                 f"{' --before <checkout>' if args.before else ''}`. train.py on a tiny Glm4ForCausalLM checkpoint "
+                 "(character tokenizer) and JSONL addition prompts, 16 prompts x 8 samples of ~11 tokens, float32, one "
+                 "step off-policy (learner and generator one thread each); medians over the RL steps but the first.", "",
+                 "| model | code | RL step s | learner s / step | generator idle | tokens / step |",
+                 "|---|---|---:|---:|---:|---:|"]
+        text += [f"| {m} | {n} | {s:.3f} | {l:.3f} | {i:.0%} | {t:.0f} |" for m, n, s, l, i, t in rows]
+        if args.before:
+            text += ["", "RL step speed-up over `before`: " + ", ".join(
+                f"{rows[i][0]} {rows[i][2] / rows[i + 1][2]:.2f}x" for i in range(0, len(rows), 2)) + "."]
+        text += [""]
     if args.part in ("all", "hf"):
-        rows = hf_part(repo, args.repeat)
+        rows = hf_part(args.repeat)
         text += [f"Command: `python bench/learner.py --part hf --repeat {args.repeat}`. One GLM-4-shaped model (hidden "
                  "256, 4 layers, 8 heads / 2 KV, vocab 4096), float32, the same weights on both sides; ours is "
                  "`train.rl_step` (packed micro-batches, GRPO loss, AdamW), transformers' is `Glm4ForCausalLM` on the "

@@ -41,7 +41,7 @@ def test_indexer_scores_match_naive_float64_loop():
     pos = torch.arange(T)[None]
     with torch.no_grad():
         q, k, w = ix(x)
-    cos, sin = rope_cos_sin(pos, cfg.rope_dim, theta)
+    cos, sin = rope_cos_sin(pos, cfg.rope_dim, theta, cfg.head_dim)
     ours = dsa.index_scores(apply_rope(q, cos, sin), w, apply_rope(k, cos, sin))[0]
 
     X = x[0].double()
