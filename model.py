@@ -9,11 +9,12 @@ What makes it GLM rather than Llama: "sandwich" norms (an extra RMSNorm after at
 MLP), a bias on the Q/K/V projections, RoPE on only the first `partial_rotary_factor` of each head's
 dimensions with *interleaved* pairs (x0,x1), (x2,x3)..., and an untied LM head. Attention is GQA.
 
-One forward serves three callers:
+One forward serves every caller:
   - the learner: packed rows (several sequences per row, positions restarting at 0 for each one, no
     attention across them) so no compute is spent on padding;
-  - the generator: a KVCache, batched rows with left or right padding, one or many new tokens per call;
-  - tests and tools: plain [B, T] input.
+  - the generator: a PagedKVCache, packed prefills, then one new token per row against a block pool;
+  - tests and tools: a KVCache (batched rows with left or right padding, one or many new tokens per
+    call), or plain [B, T] input.
 Each of them is described by an `AttnMask`, built once per forward and shared by all layers.
 
 Checkpoints are Hugging Face directories (config.json + *.safetensors, sharded or not), read and
@@ -188,13 +189,35 @@ class KVCache:
         store[i][:, self.length:end] = new
         return store[i][:, :end]
 
-    def keep(self, rows: torch.Tensor):
-        """Drop finished rows (rows: indices to keep) so later steps do no work for them."""
-        for store in (self.k, self.v, self.index_k):  # layer by layer: only one layer is ever copied twice
-            for i, t in enumerate(store):
-                if t is not None:
-                    store[i] = t[rows]
-        self.key_mask = self.key_mask[rows]
+
+class PagedKVCache:
+    """The engine's KV memory (rollout.TorchEngine): per layer one pool of token slots, keys and values
+    [N, Hkv, D] (and indexer keys [N, d_I] on DSA `F` layers), handed to sequences in blocks of block_size
+    slots (the free list), so memory follows the tokens each sequence really holds and a finished
+    sequence's blocks are reused without copying anything. Before each forward the engine says where
+    the new tokens go and what the rows read:
+      - prefill: input [1, T], a packed row of whole sequences (positions restarting at 0). Attention
+        stays inside the row, as the learner's does; `slots` [T] receive the keys on the way.
+      - decode: input [B, 1], one new token per row. `slots` [B] receive them, and `keys` [B, Lk] lists
+        each row's slots in position order, left-padded (`key_valid` False there), the new token last.
+        Attention.paged_decode reads the pool through them, so DSA's "earlier key wins" ties follow
+        positions in the sequence, as in the learner's forward, never slot numbers."""
+
+    def __init__(self, cfg: GLMConfig, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
+        N = num_blocks * block_size
+        self.k = [torch.zeros(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        kinds = cfg.dsa.layer_kinds(cfg.num_layers) if cfg.dsa else "." * cfg.num_layers
+        self.index_k = [torch.zeros(N, cfg.dsa.head_dim, device=device, dtype=dtype) if kind == "F" else None
+                        for kind in kinds]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = list(range(num_blocks - 1, -1, -1))  # free block ids; pop() hands out the lowest first
+        self.slots = self.keys = self.key_valid = None  # set by the engine before each forward
+
+    def write(self, store, i, new):
+        """Store new [B, T, ...] of layer i at `slots`; return it unchanged (prefill attends within its row)."""
+        store[i].index_copy_(0, self.slots, new.flatten(0, 1).to(store[i].dtype))
+        return new
 
 
 # ----------------------------------------------------------------------------- the decoder
@@ -231,15 +254,14 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(B, T, -1, D), *rope["main"])
         k = apply_rope(self.k_proj(x).view(B, T, -1, D), *rope["main"])
         v = self.v_proj(x).view(B, T, -1, D)
+        if isinstance(cache, PagedKVCache) and cache.keys is not None:
+            out, selected = self.paged_decode(x, q, k, v, rope, cache, selected)
+            return self.o_proj(out.reshape(B, T, -1)), selected, None
         if cache is not None:
             k, v = cache.write(cache.k, self.layer, k), cache.write(cache.v, self.layer, v)
 
         if self.indexer is not None:
-            # The indexer sees a detached input: it must never push gradients into the model.
-            # Outside indexer training nothing flows through it at all (top-k is not differentiable).
-            with torch.set_grad_enabled(torch.is_grad_enabled() and indexer_loss is not None):
-                iq, ik, iw = self.indexer(x.detach())
-                iq, ik = apply_rope(iq, *rope["index"]), apply_rope(ik, *rope["index"])
+            iq, ik, iw = self.index(x, rope, indexer_loss)
             if cache is not None:
                 ik = cache.write(cache.index_k, self.layer, ik)
             sparse = indexer_loss != "dense" and self.cfg.dsa.topk < mask.k_len
@@ -258,6 +280,38 @@ class Attention(nn.Module):
             if self.indexer is not None and indexer_loss is not None:
                 kl = dsa.dense_indexer_kl(iq, iw, ik, q, k, mask, scale)
         return self.o_proj(out.reshape(B, T, -1)), selected, kl
+
+
+    def index(self, x, rope, indexer_loss=None):
+        """The indexer's q [B, T, H_I, d_I], k [B, T, d_I] (both after RoPE) and w [B, T, H_I]. It sees a
+        detached input: it must never push gradients into the model. Outside indexer training nothing
+        flows through it at all (top-k is not differentiable)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and indexer_loss is not None):
+            iq, ik, iw = self.indexer(x.detach())
+            return apply_rope(iq, *rope["index"]), apply_rope(ik, *rope["index"]), iw
+
+    def paged_decode(self, x, q, k, v, rope, cache: PagedKVCache, selected):
+        """One new token per row (q [B, 1, H, D], k/v [B, 1, Hkv, D]) against the engine's block pool:
+        attention over each row's own slots is sparse attention with per-query key indices (dsa.py; the
+        Triton kernel reads the pool in place on CUDA). DSA scores the row's indexer keys gathered in
+        position order and maps its top-k back to slots, which the `S` layers after it reuse. Returns
+        (out [B, 1, H, D], selected: (slots [B, K], valid [B, K]) or None for all of the row's keys)."""
+        keys, valid = cache.keys, cache.key_valid  # [B, Lk]
+        cache.write(cache.k, self.layer, k)
+        cache.write(cache.v, self.layer, v)
+        if self.indexer is not None:
+            iq, ik, iw = self.index(x, rope)
+            cache.write(cache.index_k, self.layer, ik)
+            Lk = keys.shape[1]
+            selected = None  # top-k >= keys: DSA selects every key, as in the learner
+            if self.cfg.dsa.topk < Lk:
+                view = AttnMask(torch.full((1,), Lk - 1, device=keys.device), Lk, valid)  # the query is the last key
+                idx, ok = dsa.select_topk(iq, iw, cache.index_k[self.layer][keys], view, self.cfg.dsa.topk)
+                selected = keys.gather(1, idx[:, 0]), ok[:, 0]
+        idx, ok = selected if self.kind is not None and selected is not None else (keys, valid)
+        out = dsa.sparse_attention(q.transpose(0, 1), cache.k[self.layer][None], cache.v[self.layer][None],
+                                   idx[None], ok[None], self.cfg.head_dim ** -0.5)  # the B rows as B queries
+        return out.transpose(0, 1), selected
 
 
 def dense_attention(q, k, v, mask: AttnMask, scale):
@@ -316,12 +370,12 @@ class GLM(nn.Module):
         self.gradient_checkpointing = False  # recompute each block in backward (learner memory option)
         self.apply(init_weights)
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None,
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | PagedKVCache | None = None,
                 last_only=False, indexer_loss=None, return_hidden=False):
         """input_ids [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only).
 
-        position_ids [B, T]: restart at 0 for each sequence of a packed row (no cache); with a cache,
-            the caller gives each row's real positions (they skip padding).
+        position_ids [B, T]: restart at 0 for each sequence of a packed row (no cache, or a PagedKVCache
+            prefill); with a cache, the caller gives each row's real positions (they skip padding).
         attention_mask [B, T]: 1 for real tokens, 0 for padding.
         indexer_loss: None, "dense" (warm-up: dense attention, KL on all keys) or "sparse" (top-k
             attention, KL on the selected keys); then returns (logits, indexer KL averaged over F layers).
@@ -330,6 +384,7 @@ class GLM(nn.Module):
         """
         B, T = input_ids.shape
         device = input_ids.device
+        paged, cache = (cache, None) if isinstance(cache, PagedKVCache) else (None, cache)  # paged: masks as without a cache
         past = cache.length if cache is not None else 0
         if cache is not None and past + T > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} slots; {past} used + {T} new tokens do not fit")
@@ -361,7 +416,7 @@ class GLM(nn.Module):
             x = x.to(torch.get_autocast_dtype(device.type))
         selected, kls = None, []  # top-k choice flows from each F layer to the S layers after it
         for block in self.layers:
-            args = (x, rope, mask, cache, selected, indexer_loss)
+            args = (x, rope, mask, paged or cache, selected, indexer_loss)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x, selected, kl = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
