@@ -309,9 +309,17 @@ class Attention(nn.Module):
                 idx, ok = dsa.select_topk(iq, iw, cache.index_k[self.layer][keys], view, self.cfg.dsa.topk)
                 selected = keys.gather(1, idx[:, 0]), ok[:, 0]
         idx, ok = selected if self.kind is not None and selected is not None else (keys, valid)
-        out = dsa.sparse_attention(q.transpose(0, 1), cache.k[self.layer][None], cache.v[self.layer][None],
-                                   idx[None], ok[None], self.cfg.head_dim ** -0.5)  # the B rows as B queries
-        return out.transpose(0, 1), selected
+        pk, pv, scale = cache.k[self.layer], cache.v[self.layer], self.cfg.head_dim ** -0.5
+        if dsa._triton(q):  # the kernel reads the pool in place: the B rows are B queries of one sequence
+            return dsa.sparse_attention(q.transpose(0, 1), pk[None], pv[None], idx[None], ok[None], scale).transpose(0, 1), selected
+        # Elsewhere: gather each row's keys and values (whole slots, contiguous) [B, Hkv, K, D] and attend in
+        # fp32, as dsa.sparse_attention does
+        B, _, H, D = q.shape
+        k, v = pk[idx].transpose(1, 2), pv[idx].transpose(1, 2)
+        with dsa.fp32_scope(q):
+            att = (q.view(B, k.shape[1], -1, D).float() @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, K]
+            att = att.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
+            return (att @ v.float()).to(q.dtype).view(B, 1, H, D), selected
 
 
 def dense_attention(q, k, v, mask: AttnMask, scale):
@@ -681,9 +689,8 @@ class MemoryPlan:
             fix += ["grpo.kl_coef: 0 and grpo.kl_guard: false (no reference model)"] if s["reference"] else []
             out.append(f"{lt} needs {lneed / GiB:.1f} GiB of {lgpu / GiB:.1f}: " + "; ".join(fix))
         if s["engine"] == "torch" and gneed > gpool:
-            out.append(f"{gt} needs {gneed / GiB:.1f} GiB of {gpool / GiB:.1f}: a smaller rollout.max_batch, or shorter "
-                       "rollout.max_new_tokens / train.eval_max_new_tokens (the KV cache holds max_batch x (prompt + "
-                       "new tokens))" + ("" if s["dsa"] else ", or rollout.engine: sglang (paged KV cache)"))
+            out.append(f"{gt} needs {gneed / GiB:.1f} GiB of {gpool / GiB:.1f}: a smaller rollout.kv_cache_tokens (null: "
+                       "max_batch x (prompt + new tokens)) or rollout.max_batch")
         if s["engine"] == "sglang" and gneed + s["kv_token"] * s["generator_max_len"] > gpool:
             out.append(f"{gt}: SGLang's share ({gpool / GiB:.1f} GiB) cannot hold the weights and one sequence's KV "
                        "cache: a larger rollout.sglang_mem_fraction")
@@ -719,11 +726,13 @@ def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad, kernels):
 
 def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
                 gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
-                generator_batch: int, generator_max_len: int, prompt_len: int, engine: str,
+                generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
+                kv_cache_tokens: int | None = None, prefill_tokens: int = 4096,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, dsa_kernels: bool = True) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
-    micro_batch_tokens) and the generator (engine "torch": generator_batch rows of generator_max_len slots,
-    prefilled with prompt_len tokens each; "sglang": its share of the GPU). logit_chunk: response tokens
+    micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
+    up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
+    (None: every row at full length), prefills of prefill_tokens; "sglang": its share of the GPU). logit_chunk: response tokens
     per lm_head call (train.LOGIT_CHUNK). dsa_kernels: DSA runs dsa_triton's kernels (dsa.USE_TRITON)."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
@@ -790,30 +799,35 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     name, peak = max(transients, key=lambda t: t[1])
     learner += [(f"largest transient: {name}", peak), ("CUDA context, NCCL, fragmentation", OVERHEAD)]
 
-    # Generator: our engine holds bf16 weights (dsa.FP32_PARAMS in fp32), one KVCache of B x S slots per layer
-    # (keys and values [B, S, Hkv, D], indexer keys [B, S, d_I] on F layers, key_mask [B, S] bool) and prefills
-    # B x Pn at once. Rollout and eval share that one cache: the engine runs one batch at a time (rollout.py).
-    B, S, Pn = generator_batch, generator_max_len, prompt_len
-    kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0)) + 1
+    # Generator: our engine holds bf16 weights (dsa.FP32_PARAMS in fp32) and one PagedKVCache of T token slots
+    # (keys and values [T, Hkv, D] per layer, indexer keys [T, d_I] on F layers), shared by rollout and eval
+    # (calls take turns, rollout.py). Per row: a block table, its tokens and logprobs so far, and each decode
+    # step's key slots [B, S]. Its transients: a prefill (one packed row of at most prefill_tokens, or one
+    # longer context alone) or a decode step (logits and the sampler's hashed noise [B, V], DSA's scores).
+    B, S = generator_batch, generator_max_len
+    T = kv_cache_tokens or B * S
+    kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0))
     if engine == "sglang":
         generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P + 2 * P32)]
     else:
-        M = B * Pn  # prefill tokens, no grad, everything bf16 but RMSNorm's internals
+        M = max(prefill_tokens, S)  # prefill tokens, no grad, everything bf16 but RMSNorm's internals
         prefill = M * (2 * h + max(2 * (h + 4 * I),  # residual [M, h] + normed input, gate_up [M, 2I], silu, act
                                    2 * (h + 2 * (HD + 2 * KD) + 2 * HD + HD),  # or q, k, v, RoPE, k/v expanded, out
-                                   3 * 4 * h)) + 5 * B * Pn * Pn  # or RMSNorm's fp32 temps; masks [B, P, P]
-        decode = int(4.5 * B * V * 4)  # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp
-        if cfg.dsa is not None and cfg.dsa.topk < Pn:
-            prefill += _dsa_block(cfg, B, Pn, Pn, grad=False, kernels=dsa_kernels)
-        if cfg.dsa is not None and cfg.dsa.topk < S:  # a decode step's indexer scores [B, 1, H_I, S]
-            decode += _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
-        name, peak = max([("prefill of batch x prompt tokens", prefill), ("one decode step's logits (and DSA scores)", decode),
-                          # keep() drops finished rows one layer at a time: one layer's keys copied
-                          ("KVCache.keep: one layer's keys, copied", B * S * KD * 2)], key=lambda t: t[1])
+                                   3 * 4 * h)) + 5 * M * M  # or RMSNorm's fp32 temps; the packed row's mask [M, M]
+        # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp; the noise's int64 hashes
+        decode = int(4.5 * B * V * 4) + 3 * B * V * 8
+        if cfg.dsa is not None and cfg.dsa.topk < M:
+            prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
+        if cfg.dsa is not None and cfg.dsa.topk < S:  # the rows' indexer keys gathered [B, S, d_I], their scores
+            decode += 2 * B * S * cfg.dsa.head_dim + _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
+        name, peak = max([(f"prefill of {M} packed tokens", prefill), ("one decode step's logits and noise (and DSA scores)",
+                                                                        decode)], key=lambda t: t[1])
+        rows = B * (S // 16 + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
         generator = [("bf16 weights (indexer weights_proj, k_norm fp32)", 2 * P + 2 * P32),
-                     (f"KV cache bf16, {B} x {S} slots (rollout and eval, one at a time)", B * S * kv_token),
+                     (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
+                     (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows),
                      (f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
     settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
                     reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,
-                    generator_batch=B, generator_max_len=S, kv_token=kv_token)
+                    generator_batch=B, generator_max_len=S, kv_token=kv_token, kv_cache_tokens=T)
     return MemoryPlan(P, learner, generator, settings)

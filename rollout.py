@@ -831,4 +831,6 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int):
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
                             mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None)
     model = GLM.from_pretrained(model_dir, dsa=dsa, device=device)
-    return TorchEngine(model, max_batch=rollout.max_batch)  # when weights land is the Generator's choice
+    # when weights land is the Generator's choice; what rows in flight then do, the engine's
+    return TorchEngine(model, max_batch=rollout.max_batch, kv_tokens=rollout.kv_cache_tokens,
+                       reprefill=rollout.update_mode == "reprefill")
