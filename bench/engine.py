@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig, KVCache  # noqa: E402
-from rollout import Completion, SamplingParams, TorchEngine, sample_tokens  # noqa: E402
+from rollout import Completion, SamplingParams, TorchEngine  # noqa: E402
 
 
 class StaticEngine:
@@ -57,6 +57,13 @@ class StaticEngine:
                 out[i] = c
         return out
 
+    @staticmethod
+    def sample(logits, temperature, gen):
+        """The sampler it had: torch.multinomial on one torch.Generator for the whole batch."""
+        logp = (logits.float() / temperature).log_softmax(-1)
+        tokens = torch.multinomial(logp.exp(), 1, generator=gen)[:, 0]
+        return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
     @torch.no_grad()
     def _batch(self, prompts, per_row, gen):
         sampling, limits = per_row[0], [s.max_new_tokens for s in per_row]
@@ -72,7 +79,7 @@ class StaticEngine:
         alive, next_pos = torch.arange(B), pos[:, -1] + 1
         stop = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long)
         for step in range(longest):
-            tok, lp = sample_tokens(logits, sampling, gen)
+            tok, lp = self.sample(logits, sampling.temperature, gen)
             done = torch.isin(tok, stop) if len(stop) else torch.zeros_like(tok, dtype=torch.bool)
             for j, (r, t, l) in enumerate(zip(alive.tolist(), tok.tolist(), lp.tolist())):
                 tokens[r].append(t)
