@@ -104,21 +104,16 @@ def fresh_mask(sample_versions, current_version, max_staleness):
 # Per-token quantities computed from logits (the caller runs the model)
 
 
-def token_logprobs(logits, target_ids):
+def token_logprobs(logits, target_ids, entropy=False):
     """[..., V] logits, [...] ids -> [...] log p(target), in float32 whatever the logits' dtype.
     bf16 log-probs are too coarse for ratios near 1. log_softmax subtracts the max before the lse, so
     large logits keep their precision (gather(logits) - logsumexp(logits) would not). With a 150k
-    vocabulary the caller should chunk over tokens: each chunk costs one float32 [chunk, V] tensor."""
+    vocabulary the caller should chunk over tokens: each chunk costs one float32 [chunk, V] tensor.
+    entropy=True: also the entropy H = -sum_v p log p [...], from the same log_softmax (one pass over V);
+    log p stays finite where p underflows to 0, so H and its gradient do too."""
     logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    return logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-
-
-def entropy_from_logits(logits):
-    """[..., V] -> [...] entropy H = logsumexp(z) - sum softmax(z) z, float32.
-    Shifting by the (detached) max keeps exp in range; H is shift-invariant so the gradient is exact."""
-    z = logits.float()
-    z = z - z.amax(dim=-1, keepdim=True).detach()
-    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+    target = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    return (target, -(logp.exp() * logp).sum(-1)) if entropy else target
 
 
 def kl_penalty(logp, ref_logp, kind="k3"):
@@ -186,7 +181,7 @@ def aggregate(values, mask, agg, loss_scale=None):
 
 def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=None, ref_logp=None, entropy=None,
                 loss_scale=None):
-    """Clipped GRPO loss for one (micro-)batch. Returns (loss, metrics of python floats).
+    """Clipped GRPO loss for one (micro-)batch. Returns (loss, metrics as 0-dim tensors).
 
     logp [B, T] carries the gradient (and `entropy` [B, T], when the bonus is on); every other tensor is
     detached here. gen_logp [B, T]: the sampler's logprobs. prox_logp [B, T]: pi_prox; None means logp
@@ -249,11 +244,11 @@ def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=Non
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * aggregate(entropy, m, cfg.agg, loss_scale)
 
-    with torch.no_grad():
-        n = max(int(m.sum()), 1)
-        token_mean = lambda x: float(torch.where(m, x, 0.0).sum() / n)
+    with torch.no_grad():  # 0-dim tensors: the caller reads them all with one host sync
+        n = m.sum().clamp_min(1)
+        token_mean = lambda x: torch.where(m, x, 0.0).sum() / n
         metrics = {
-            "pg_loss": float(pg_loss),
+            "pg_loss": pg_loss.detach(),
             "clip_frac_low": token_mean(((adv < 0) & (ratio < lo)).float()),
             "clip_frac_high": token_mean(((adv > 0) & (ratio > hi)).float()),
             "ratio_mean": token_mean(ratio),

@@ -143,28 +143,86 @@ class AttnMask:
     q_slot: torch.Tensor  # [Tq]
     k_len: int
     k_valid: torch.Tensor | None = None  # [B, k_len], False on padding slots
-    doc: torch.Tensor | None = None  # [B, T] sequence id of each token of a packed row (no cache)
+    # [B, Tq], False on right padding: a causal mask already hides padding that comes after every real
+    # token, so only the queries need telling apart (the indexer KL must not count them)
+    real: torch.Tensor | None = None
+    packed: "Packed | None" = None  # a packed row: attention runs per group of its sequences
 
     @property
     def is_causal(self) -> bool:
-        return self.doc is None and self.k_valid is None and len(self.q_slot) == self.k_len
+        return self.packed is None and self.k_valid is None and len(self.q_slot) == self.k_len
 
     def dense(self, q0=0, q1=None) -> torch.Tensor:
         """bool [B or 1, q1-q0, k_len]. A query always sees its own slot, so padding rows stay finite."""
         qs = self.q_slot[q0:q1, None]
         ks = torch.arange(self.k_len, device=qs.device)
         m = (ks <= qs)[None]
-        if self.doc is not None:
-            m = m & (self.doc[:, q0:q1, None] == self.doc[:, None, :])
         if self.k_valid is not None:
             m = m & self.k_valid[:, None, :]
         return m | (ks == qs)[None]
 
     def q_valid(self) -> torch.Tensor:
         """bool [B or 1, Tq]: queries that are real tokens."""
+        if self.real is not None:
+            return self.real
         if self.k_valid is None:
             return torch.ones(1, len(self.q_slot), dtype=torch.bool, device=self.q_slot.device)
         return self.k_valid[:, self.q_slot]
+
+
+# A sequence joins a group while it is at least this fraction of the group's longest: padding then costs
+# at most 1 / 0.75^2 = 1.8x a group's attention (far less in practice), and a row of mixed lengths makes
+# only a few groups (a few kernel calls per layer).
+GROUP_RATIO = 0.75
+
+
+@dataclass
+class Packed:
+    """The sequences of packed rows, regrouped for attention. The learner packs sequences end to end
+    into rows without padding, so that projections and MLPs do no wasted work; attention, though, must
+    stay inside each sequence, and one causal call over the row with a document mask would score
+    (sum_i L_i)^2 pairs where sum_i L_i^2 are needed (130x more for 128 sequences of 11 tokens), and no
+    flash kernel takes such a mask. So attention takes each group of similar-length sequences as a
+    right-padded batch [n, L]: a plain causal call (flash on GPU, no mask), exact for the real tokens,
+    whose causal window never reaches the padding after them. DSA's top-k and its sparse/dense choice
+    then see each sequence's own keys too."""
+    groups: list[tuple[torch.Tensor, AttnMask]]  # (src [n, L]: each slot's token in the flattened rows, causal mask)
+    back: torch.Tensor  # [B*T]: where each token of the rows sits in the groups' outputs, concatenated
+    share: list[float]  # each group's fraction of the tokens (to average the indexer KL over all of them)
+
+    @classmethod
+    def of(cls, position_ids):
+        """position_ids [B, T], restarting at 0 where a sequence starts (every row starts one). One read
+        of the sequence boundaries to the host, per forward."""
+        B, T = position_ids.shape
+        device, N = position_ids.device, B * T
+        starts = (position_ids.flatten() == 0).nonzero()[:, 0].cpu()
+        starts = torch.unique(torch.cat([starts, torch.arange(0, N, T)]))  # a row's first token starts one
+        lengths = torch.diff(starts, append=torch.tensor([N]))
+        order = sorted(range(len(starts)), key=lambda i: -int(lengths[i]))  # longest first, ties by position
+        groups, back, share, offset, i = [], torch.empty(N, dtype=torch.long), [], 0, 0
+        while i < len(order):
+            L, j = int(lengths[order[i]]), i + 1
+            while j < len(order) and lengths[order[j]] >= GROUP_RATIO * L:
+                j += 1
+            st, ln = starts[order[i:j]], lengths[order[i:j]]  # [n]
+            slot = torch.arange(L)
+            src = st[:, None] + torch.minimum(slot, ln[:, None] - 1)  # [n, L]: padding repeats the last token
+            real = slot < ln[:, None]  # [n, L]
+            back[src[real]] = offset + torch.arange(real.numel()).view(real.shape)[real]
+            groups.append((src.to(device), AttnMask(torch.arange(L, device=device), L, real=real.to(device))))
+            share.append(int(ln.sum()) / N)
+            offset, i = offset + real.numel(), j
+        return cls(groups, back.to(device), share)
+
+    @staticmethod
+    def take(t, src):
+        """t [B, T, ...] (packed rows) -> [n, L, ...] (a group's sequences, right-padded)."""
+        return dsa.index_gather(t.flatten(0, 1), src)  # a deterministic backward
+
+    def put_back(self, outs, shape):
+        """The groups' outputs [n, L, ...] -> [B, T, ...] in the rows' order."""
+        return torch.cat([o.flatten(0, 1) for o in outs]).index_select(0, self.back).view(*shape, *outs[0].shape[2:])
 
 
 class KVCache:
@@ -248,9 +306,10 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, mask: AttnMask, cache, selected, indexer_loss):
         """Returns (output, selected, kl): `selected` is this layer's (idx, valid) top-k choice, handed on
-        to the following `S` layers (IndexCache); kl is the indexer loss of an `F` layer when asked for."""
+        to the following `S` layers (IndexCache; for packed rows a list, one per group); kl is the
+        indexer loss of an `F` layer when asked for."""
         B, T, _ = x.shape
-        D, scale = self.cfg.head_dim, self.cfg.head_dim ** -0.5
+        D = self.cfg.head_dim
         q = apply_rope(self.q_proj(x).view(B, T, -1, D), *rope["main"])
         k = apply_rope(self.k_proj(x).view(B, T, -1, D), *rope["main"])
         v = self.v_proj(x).view(B, T, -1, D)
@@ -259,27 +318,49 @@ class Attention(nn.Module):
             return self.o_proj(out.reshape(B, T, -1)), selected, None
         if cache is not None:
             k, v = cache.write(cache.k, self.layer, k), cache.write(cache.v, self.layer, v)
-
+        index = None
         if self.indexer is not None:
             iq, ik, iw = self.index(x, rope, indexer_loss)
             if cache is not None:
                 ik = cache.write(cache.index_k, self.layer, ik)
+            index = (iq, iw, ik)
+        if mask.packed is None:
+            out, selected, kl = self.attend(q, k, v, index, mask, selected, indexer_loss)
+            return self.o_proj(out.reshape(B, T, -1)), selected, kl
+        # Packed rows: attention for each group of similar-length sequences (model.Packed)
+        p, outs, chosen, kl = mask.packed, [], [], None
+        for i, (src, m) in enumerate(p.groups):
+            group = [Packed.take(t, src) for t in (q, k, v)]
+            out, sel, kl_i = self.attend(*group, index and tuple(Packed.take(t, src) for t in index), m,
+                                         selected and selected[i], indexer_loss)
+            outs.append(out)
+            chosen.append(sel)
+            if kl_i is not None:  # a mean over the group's tokens: weighted into the mean over all
+                kl = kl_i * p.share[i] + (0.0 if kl is None else kl)
+        return self.o_proj(p.put_back(outs, (B, T)).reshape(B, T, -1)), chosen, kl
+
+    def attend(self, q, k, v, index, mask: AttnMask, selected, indexer_loss):
+        """Attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D] under mask: DSA's top-k (chosen here
+        from the indexer's (iq, iw, ik) on an F layer, handed in on an S layer) or dense.
+        Returns (out [B, Tq, H, D], selected, kl)."""
+        scale = self.cfg.head_dim ** -0.5
+        if index is not None:
             sparse = indexer_loss != "dense" and self.cfg.dsa.topk < mask.k_len
-            selected = dsa.select_topk(iq, iw, ik, mask, self.cfg.dsa.topk) if sparse else None
+            selected = dsa.select_topk(*index, mask, self.cfg.dsa.topk) if sparse else None
         kl = None
         if self.kind is not None and selected is not None:
             idx, valid = selected
-            if self.indexer is not None and indexer_loss == "sparse":
+            if index is not None and indexer_loss == "sparse":
                 out, p = dsa.sparse_attention(q, k, v, idx, valid, scale, return_probs=True)
-                kl = dsa.sparse_indexer_kl(iq, iw, ik, idx, valid, p, mask.q_valid().float())
+                kl = dsa.sparse_indexer_kl(*index, idx, valid, p, mask.q_valid().float())
             else:
                 out = dsa.sparse_attention(q, k, v, idx, valid, scale)
         else:
             # With top-k >= visible keys, DSA selects every key: dense attention is then exactly DSA.
             out = dense_attention(q, k, v, mask, scale)
-            if self.indexer is not None and indexer_loss is not None:
-                kl = dsa.dense_indexer_kl(iq, iw, ik, q, k, mask, scale)
-        return self.o_proj(out.reshape(B, T, -1)), selected, kl
+            if index is not None and indexer_loss is not None:
+                kl = dsa.dense_indexer_kl(*index, q, k, mask, scale)
+        return out, selected, kl
 
 
     def index(self, x, rope, indexer_loss=None):
@@ -324,10 +405,10 @@ class Attention(nn.Module):
 
 def dense_attention(q, k, v, mask: AttnMask, scale):
     """q [B, Tq, H, D], k/v [B, Tk, Hkv, D] -> [B, Tq, H, D], via PyTorch's fused SDPA kernels.
-    Causal without a mask: the flash kernel, GQA native. With a mask (padding, packed rows, a cache) flash
-    is ruled out; the memory-efficient kernel takes a boolean mask but not enable_gqa, so the KV heads are
-    expanded to H first (2 x [B, Tk, H, D], small). Otherwise CUDA falls back to the math kernel, which
-    materialises fp32 [B, H, Tq, Tk] scores (2.7 GB per layer at 4608 tokens, many times that in backward)."""
+    Causal without a mask (plain input, and every group of a packed row): the flash kernel, GQA native.
+    With a mask (left padding, a cache) flash is ruled out; the memory-efficient kernel takes a boolean
+    mask but not enable_gqa, so the KV heads are expanded to H first (2 x [B, Tk, H, D], small). Otherwise
+    CUDA falls back to the math kernel, which materialises fp32 [B, H, Tq, Tk] scores."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|Hkv, T, D]
     if mask.is_causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -382,8 +463,9 @@ class GLM(nn.Module):
                 last_only=False, indexer_loss=None, return_hidden=False):
         """input_ids [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only).
 
-        position_ids [B, T]: restart at 0 for each sequence of a packed row (no cache, or a PagedKVCache
-            prefill); with a cache, the caller gives each row's real positions (they skip padding).
+        position_ids [B, T]: without a cache (or in a PagedKVCache prefill), the rows are packed: positions
+            restart at 0 where each sequence starts, and no token attends across sequences (model.Packed);
+            with a KVCache or a paged decode step, the caller gives each row's real positions.
         attention_mask [B, T]: 1 for real tokens, 0 for padding.
         indexer_loss: None, "dense" (warm-up: dense attention, KL on all keys) or "sparse" (top-k
             attention, KL on the selected keys); then returns (logits, indexer KL averaged over F layers).
@@ -397,16 +479,18 @@ class GLM(nn.Module):
         if cache is not None and past + T > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} slots; {past} used + {T} new tokens do not fit")
         valid = attention_mask.bool() if attention_mask is not None else None
+        # Packed rows: position_ids without a cache, or a paged prefill (a paged decode step reads its rows'
+        # keys through the pool instead: Attention.paged_decode)
+        packed = position_ids is not None and cache is None and (paged is None or paged.keys is None)
+        if packed and valid is not None:
+            raise ValueError("packed rows (position_ids without a cache) have no padding: drop attention_mask")
         if position_ids is None:
             position_ids = (past + torch.arange(T, device=device)).expand(B, T)
-            doc = None
-        else:
-            doc = None if cache is not None else (position_ids == 0).cumsum(1)
         if cache is not None:
             cache.key_mask[:, past:past + T] = True if valid is None else valid
             mask = AttnMask(torch.arange(past, past + T, device=device), past + T, cache.key_mask[:, :past + T])
         else:
-            mask = AttnMask(torch.arange(T, device=device), T, valid, doc)
+            mask = AttnMask(torch.arange(T, device=device), T, valid, packed=Packed.of(position_ids) if packed else None)
 
         rope = {"main": rope_cos_sin(position_ids, self.cfg.rope_dim, self.cfg.rope_theta)}
         if self.cfg.dsa is not None:
@@ -756,12 +840,13 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # Learner activations of one packed row of T tokens. The residual stream is bf16 (a = 2 bytes) under
     # FSDP (bf16 weights) and DDP alike (model.GLM.forward casts it to autocast's dtype).
     a = 2
+    pad = 1 / GROUP_RATIO  # attention regroups the row's sequences, right-padded: at most this many slots a token
     block = T * (4 * (4 + 2 * a) * h  # 4 RMSNorms: fp32 copy of the input, normalised, output [T, h]
                  + 2 * 2 * (HD + KD) + 2 * KD  # q [T, H*D], k [T, Hkv*D] before and after RoPE; v [T, Hkv*D]
-                 + 2 * 2 * HD  # masked SDPA: k and v expanded to H heads (memory-efficient kernel, no scores)
-                 + 2 * HD + 4 * H  # attention output [T, H*D] bf16, its log-sum-exp [H, T] fp32
+                 + int(pad * (2 * (HD + 2 * KD) + 2 * HD + 4 * H))  # per group: q, k, v, output bf16, LSE fp32
+                 + 2 * HD  # the attention output back in row order [T, H*D] (no mask anywhere: flash kernel)
                  + 2 * (2 * I + I + I)  # gate_up [T, 2I], silu(gate) [T, I], act = silu(gate) * up [T, I]
-                 + a * h) + 3 * T * T  # residual after attention [T, h]; packed-row mask [T, T] bool + bf16 bias
+                 + a * h)  # residual after attention [T, h]
     block_grads = T * 2 * 4 * I  # backward's gradients of the MLP tensors [T, 4I] bf16
     sparse = cfg.dsa is not None and cfg.dsa.topk < T
     if sparse:  # DSA inside the block: select_topk without grad, sparse_attention's chunks with

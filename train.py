@@ -60,45 +60,51 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confi
 # ----------------------------------------------------------------------------- the learner's forward
 
 
-def _chunk_logprobs(lm_head, h, targets, temperature):
+def _chunk_logprobs(lm_head, h, targets, temperature, entropy):
     logits = lm_head(h).float() / temperature  # [c, V]: what the generator sampled from
-    return grpo.token_logprobs(logits, targets), grpo.entropy_from_logits(logits)
+    logp, ent = grpo.token_logprobs(logits, targets, entropy=True)  # one log_softmax for both
+    return logp, ent if entropy == "grad" else ent.detach()  # the metric alone needs no backward
 
 
-def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=True):
+def spans(starts, lengths, device=None):
+    """Flat indices of the spans [start, start + length) one after the other, without a Python loop:
+    spans([0, 10], [2, 3]) = [0, 1, 10, 11, 12]."""
+    starts, lengths = torch.as_tensor(starts), torch.as_tensor(lengths)
+    ends = lengths.cumsum(0)
+    return (torch.repeat_interleave(starts - ends + lengths, lengths) + torch.arange(int(ends[-1]))).to(device)
+
+
+def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=True, entropy=None):
     """One forward over several sequences packed into a single row, without padding.
     rows: [(token ids, prompt length)]. Position ids restart at 0 for every sequence, which is how
-    model.py knows where one ends: no token attends across sequences.
-    Returns ([R_i] logprobs of each response's tokens, [R_i] entropies, indexer KL or None)."""
+    model.py knows where one ends: no token attends across sequences, and attention costs
+    sum_i L_i^2 (model.Packed). entropy: None (not needed), "metric" (no gradient) or "grad" (the
+    loss has an entropy term). Returns (logprobs [N] of every response token, the sequences one after
+    the other; entropies [N] or None; indexer KL or None)."""
     net = unwrap(model)  # model may be DDP/FSDP-wrapped: call it, but reach its lm_head directly
     device = net.embed_tokens.weight.device
+    lengths = [len(seq) for seq, _ in rows]
     ids = torch.tensor([t for seq, _ in rows for t in seq], device=device)[None]  # [1, L]
-    pos = torch.cat([torch.arange(len(seq)) for seq, _ in rows]).to(device)[None]  # [1, L]
+    pos = spans([0] * len(rows), lengths, device)[None]  # [1, L]: 0 .. L_i - 1 for each sequence
     out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True)
     hidden, kl = out if indexer_loss is not None else (out, None)  # [1, L, hidden]
     if not logprobs:
         return None, None, kl
     # Position j predicts token j+1: a response of R tokens after P prompt tokens is scored at the
     # sequence's positions P-1 .. P+R-2. Only those rows ever meet the [hidden, vocab] head.
-    where = torch.cat([torch.arange(start + p - 1, start + len(seq) - 1) for (seq, p), start in
-                       zip(rows, itertools.accumulate([0] + [len(s) for s, _ in rows]))]).to(device)  # [N]
+    starts = [s + p - 1 for s, (_, p) in zip(itertools.accumulate([0] + lengths), rows)]
+    where = spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device)  # [N]
     h, targets = hidden[0, where], ids[0, where + 1]  # [N, hidden], [N]
     logp, ent = [], []
     for c in range(0, len(where), LOGIT_CHUNK):
-        args = (net.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature)
+        args = (net.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature, entropy)
         if torch.is_grad_enabled():  # recompute the chunk's logits in backward instead of keeping them
             lp, en = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
             lp, en = _chunk_logprobs(*args)
         logp.append(lp)
         ent.append(en)
-    sizes = [len(seq) - p for seq, p in rows]
-    return torch.cat(logp).split(sizes), torch.cat(ent).split(sizes), kl
-
-
-def pad(seqs):
-    """[R_i] tensors -> [B, T] right-padded with zeros."""
-    return torch.nn.utils.rnn.pad_sequence(list(seqs), batch_first=True)
+    return torch.cat(logp), torch.cat(ent) if entropy else None, kl
 
 
 def lr_at(cfg: Config, base_lr, step):
@@ -106,6 +112,13 @@ def lr_at(cfg: Config, base_lr, step):
     sign(g) * lr for every weight (m / sqrt(v) = +-1 until v has history): with noisy RL gradients
     that alone can wreck a policy."""
     return base_lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
+
+
+def adamw(cfg: Config, model, lr, weight_decay):
+    """AdamW over the parameters that train in this stage; the fused kernel updates every tensor in one
+    pass (CPU and CUDA, FSDP's sharded DTensors too) instead of a dozen small ops per tensor."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=tuple(cfg.optim.betas),
+                             weight_decay=weight_decay, fused=True)
 
 
 def resumed(resume, stage, key, default):
@@ -135,8 +148,7 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log, pr
     learner = parallel_learner(model, device, cfg.train.parallel)  # FSDP swaps in sharded parameters
     lr = cfg.optim.dsa_warmup_lr if indexer_only else cfg.optim.sft_lr
     wd = cfg.optim.weight_decay if indexer_only else cfg.optim.sft_weight_decay
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                  betas=tuple(cfg.optim.betas), weight_decay=wd)
+    optimizer = adamw(cfg, model, lr, wd)
     stream = data.PromptStream(examples, seed=cfg.seed)
     step, skips = resumed(resume, stage, "step", 0), Skips(cfg.optim.max_skipped_steps, *resumed(resume, stage, "skipped", (0, 0)))
     if step:
@@ -159,7 +171,7 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log, pr
             part = [rows[i] for i in mb] if mb is not None else dummy_rows(model)
             with autocast(device):
                 logp, _, kl = packed_forward(learner, part, 1.0, indexer_loss, logprobs=not indexer_only)
-                nll = -torch.cat(logp).sum() / n_answer if logp is not None else torch.zeros((), device=device)
+                nll = -logp.sum() / n_answer if logp is not None else torch.zeros((), device=device)
                 kl = kl * sum(len(s) for s, _ in part) / n_all if kl is not None else torch.zeros((), device=device)
             learner_backward(learner, (nll + kl) * (mb is not None), last=k == len(parts) - 1)  # parts of global means
             if mb is not None:
@@ -207,45 +219,57 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
         idx = list(idx)
         adv[idx] = grpo.group_advantages([samples[i].reward for i in idx], len(idx), g.std_normalize)
 
+    # The batch's response tokens as flat [N] arrays (sample after sample); a micro-batch picks its
+    # tokens out with one index (spans), and pads them to [B, T] for the loss with one masked_scatter.
     rows = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in samples]
+    sizes = [len(s.response_ids) for s in samples]
+    first = list(itertools.accumulate([0] + sizes))  # where each sample's tokens start in the flat arrays
+    gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N]
     parts = micro_batches(model, data.pack_by_tokens([len(seq) for seq, _ in rows], cfg.optim.max_tokens_per_micro_batch))
-    gen_logp = [torch.tensor(s.gen_logprobs, device=device) for s in samples]
-    ref_logp = [None] * len(samples)
+    tokens = [spans([first[i] for i in mb], [sizes[i] for i in mb], device) if mb else None for _, mb in parts]
+    ref_logp = None
     if ref_model is not None:  # pi_ref, no grad, before the update
+        ref_logp = torch.zeros_like(gen_logp)
         with torch.no_grad(), autocast(device):
-            for _, mb in parts:
-                out = packed_forward(ref_model, [rows[i] for i in mb] if mb else dummy_rows(ref_model), cfg.rollout.temperature)[0]
-                for i, lp in zip(mb or [], out):
-                    ref_logp[i] = lp
+            for (_, mb), tok in zip(parts, tokens):
+                lp = packed_forward(ref_model, [rows[i] for i in mb] if mb else dummy_rows(ref_model), cfg.rollout.temperature)[0]
+                if mb:
+                    ref_logp[tok] = lp
 
     # Micro-batch losses are partial sums over one global denominator (all ranks' micro-batches), so
     # gradients add up to the gradient of the whole batch's loss. pi_prox, the policy at the step's start,
     # is the training forward itself (policy_loss detaches it): one optimizer step per batch.
-    masks = [pad([torch.ones(len(rows[i][0]) - rows[i][1], dtype=torch.bool) for i in mb]).to(device) if mb else None
-             for _, mb in parts]
+    masks = [torch.arange(max(sizes[i] for i in mb)) < torch.tensor([sizes[i] for i in mb])[:, None] if mb else None
+             for _, mb in parts]  # [B, T] response tokens of each micro-batch
     loss_scale = global_sum(sum(float(grpo.loss_denominator(m, g.agg)) for m in masks if m is not None))[0]
     optimizer.zero_grad(set_to_none=True)
-    sums, n_tokens, gaps = {}, 0, []
-    for (k, mb), mask in zip(parts, masks):
+    sums, n_tokens, gap_sum, gap_max = {}, 0, torch.zeros((), device=device), torch.zeros((), device=device)
+    entropy = "grad" if g.entropy_coef else "metric"
+    for (k, mb), tok, mask in zip(parts, tokens, masks):
         last = k == len(parts) - 1
         with autocast(device):
-            logp, ent, _ = packed_forward(model, [rows[i] for i in mb] if mb else dummy_rows(model), cfg.rollout.temperature)
+            logp, ent, _ = packed_forward(model, [rows[i] for i in mb] if mb else dummy_rows(model), cfg.rollout.temperature,
+                                          entropy=entropy)
             if mb is None:  # keeps this rank in step with the others; contributes nothing
-                learner_backward(model, logp[0].sum() * 0.0, last)
+                learner_backward(model, logp.sum() * 0.0, last)
                 continue
-            loss, m = grpo.policy_loss(pad(logp), pad(gen_logp[i] for i in mb), adv[mb].to(device), mask, g,
-                                       ref_logp=None if ref_model is None else pad(ref_logp[i] for i in mb),
+            mask = mask.to(device)
+            pad = lambda flat: flat.new_zeros(mask.shape).masked_scatter(mask, flat)  # [N_mb] -> [B, T]
+            loss, m = grpo.policy_loss(pad(logp), pad(gen_logp[tok]), adv[mb].to(device), mask, g,
+                                       ref_logp=None if ref_model is None else pad(ref_logp[tok]),
                                        entropy=pad(ent), loss_scale=loss_scale)
         learner_backward(model, loss, last)
-        gaps += [(lp.detach() - gen_logp[i]).abs() for i, lp in zip(mb, logp)]  # learner vs generator, per token
-        n = int(mask.sum())  # pg_loss adds up over micro-batches; the other metrics are token means
+        gap = (logp.detach() - gen_logp[tok]).abs()  # learner vs generator, per token
+        gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
+        n = len(tok)  # pg_loss adds up over micro-batches; the other metrics are token means
         for name, v in m.items():
             sums[name] = sums.get(name, 0.0) + (v if name == "pg_loss" else v * n)
-        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+        sums["loss"] = sums.get("loss", 0.0) + loss.detach()
         n_tokens += n
-    gap = torch.cat(gaps) if gaps else torch.zeros(0)
-    sums["logp_diff_mean"] = float(gap.sum())  # the health signal of the train/inference gap (and staleness)
-    ranks = all_gather((sums, n_tokens, float(gap.max()) if len(gap) else 0.0))  # global: every rank decides alike
+    sums["logp_diff_mean"] = gap_sum  # the health signal of the train/inference gap (and staleness)
+    values = torch.stack(list(sums.values()) + [gap_max]).tolist()  # one host sync for every metric
+    gap_max, sums = values.pop(), dict(zip(sums, values))
+    ranks = all_gather((sums, n_tokens, gap_max))  # global: every rank decides alike
     n_tokens = sum(n for _, n, _ in ranks)
     for name in dict.fromkeys(k for p, _, _ in ranks for k in p):
         v = sum(p.get(name, 0.0) for p, _, _ in ranks)
@@ -291,8 +315,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
     for name, p in model.named_parameters():
         p.requires_grad_(".indexer." not in name)  # GLM-5 keeps the indexer frozen during RL
     learner = parallel_learner(model, model.lm_head.weight.device, t.parallel)  # FSDP swaps in sharded parameters
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.optim.lr,
-                                  betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+    optimizer = adamw(cfg, model, cfg.optim.lr, cfg.optim.weight_decay)
     g = cfg.grpo
     guard = grpo.KLGuard(g.kl_guard_threshold, g.kl_guard_factor, g.kl_guard_window, g.kl_guard)
     stream = data.PromptStream(train_examples[rank()::world()], seed=cfg.seed)  # groups never cross processes

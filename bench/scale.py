@@ -36,7 +36,7 @@ from model import GLM, GLMConfig  # noqa: E402
 from rollout import RolloutBatch, Sample, SamplingParams, TorchEngine  # noqa: E402
 
 # Defaults per preset; a flag given on the command line wins. --tiny keeps the CPU run under ~1 GB.
-FULL = dict(layers=4, samples=32, prompt=256, response=1024, tokens=4608, gen_batch=64, new_tokens=512, steps=3)
+FULL = dict(layers=4, samples=32, prompt=256, response=1024, tokens=16384, gen_batch=64, new_tokens=512, steps=3)
 TINY = dict(layers=2, samples=8, prompt=32, response=64, tokens=256, gen_batch=8, new_tokens=16, steps=2)
 TINY_SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=32, pad_token_id=0, eos_token_id=[1])

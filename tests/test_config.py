@@ -148,7 +148,7 @@ def test_glm9b_recipe_numbers():
     assert cfg.model.path.endswith("GLM-Z1-9B-0414") and cfg.data.train.endswith("dapo-math-17k.jsonl")
     assert (r.prompts_per_step, r.n, r.temperature, r.max_new_tokens) == (32, 8, 1.0, 8192)
     assert (g.eps_low, g.eps_high, g.agg, g.kl_coef, g.icepop_beta) == (0.2, 0.28, "seq-mean-token-mean", 0.0, 2.0)
-    assert (o.lr, o.weight_decay, o.betas, o.max_tokens_per_micro_batch) == (1e-6, 0.1, [0.9, 0.98], 4608)
+    assert (o.lr, o.weight_decay, o.betas, o.max_tokens_per_micro_batch) == (1e-6, 0.1, [0.9, 0.98], 16384)
     assert (t.eval_every, t.eval_n, t.eval_max_new_tokens) == (20, 16, 16384)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import dsa
-from model import GLM, AttnMask, GLMConfig, KVCache, apply_rope, rope_cos_sin
+from model import GLM, AttnMask, GLMConfig, KVCache, Packed, apply_rope, rope_cos_sin
 
 
 def tiny(topk=4, pattern="F", layers=2, heads=4, kv=2, index_heads=3):
@@ -411,7 +411,14 @@ def test_learner_and_generator_pick_the_same_keys_in_bf16(monkeypatch):
     with torch.no_grad(), bf16_autocast():
         learner_logits = m(torch.cat(seqs)[None], position_ids=pos)[0].float()
         dense_learner = dense_m(torch.cat(seqs)[None], position_ids=pos)[0].float()
-    learner_sel = [idx[0] for idx, valid, _ in seen]  # per F layer: [L, K] slots of the packed row
+    # The learner selects per group of similar-length sequences (model.Packed), layer by layer: map each
+    # (F layer, group) selection [n, L, K] back to its sequences, by where each one starts in the row.
+    groups = Packed.of(pos).groups
+    learner_sel = {}  # sequence start -> [per F layer: [L, K] key positions within the sequence]
+    for f in range(len(seen) // len(groups)):
+        for (src, _), (idx, _, _) in zip(groups, seen[f * len(groups):(f + 1) * len(groups)]):
+            for r in range(len(src)):
+                learner_sel.setdefault(int(src[r, 0]), []).append(idx[r])
     seen.clear()
 
     differ = total = 0
@@ -426,10 +433,10 @@ def test_learner_and_generator_pick_the_same_keys_in_bf16(monkeypatch):
         gen_logits, dgen_logits = torch.cat(outs, 1)[0].float(), torch.cat(douts, 1)[0].float()
         for t in range(max(P, m.cfg.dsa.topk), T):  # decode steps with a choice: one query at slot t
             steps = [(idx, valid) for idx, valid, k_len in seen if k_len == t + 1 and idx.shape[1] == 1]
-            assert len(steps) == len(learner_sel)  # one selection per F layer
+            assert len(steps) == len(learner_sel[start])  # one selection per F layer
             for f, (idx, valid) in enumerate(steps):
                 mine = set(idx[0, 0][valid[0, 0]].tolist())
-                theirs = set((learner_sel[f][start + t] - start).tolist())
+                theirs = set(learner_sel[start][f][t].tolist())
                 differ += len(mine ^ theirs) // 2
                 total += len(mine)
         seen.clear()

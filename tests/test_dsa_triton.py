@@ -10,6 +10,7 @@ Tolerances, as max |ours - ref| / max |ref| over the tensor:
   probabilities and LSE (fp32 logits of exact bf16 products).
 Every comparison also checks that a plausible bug (wrong scale, a dropped head, the wrong KV head for
 a GQA group) is farther from the reference than the tolerance, so each test can fail."""
+import dataclasses
 import os
 
 # Before triton is imported: triton.language decorates its own library for the interpreter only when this
@@ -122,6 +123,16 @@ def test_index_scores_bf16_inputs_and_causal_bound():
 # ----------------------------------------------------------------------------------------------- helpers
 
 
+@dataclasses.dataclass
+class DocMask(AttnMask):
+    """A causal mask over rows of several documents (no key of another document is visible)."""
+    doc: torch.Tensor | None = None  # [B, Tk] document id of each slot
+
+    def dense(self, q0=0, q1=None):
+        m = super().dense(q0, q1)
+        return m if self.doc is None else m & (self.doc[:, self.q_slot[q0:q1], None] == self.doc[:, None, :])
+
+
 def make_inputs(B=2, T=24, H=4, Hkv=2, D=16, topk=18, dtype=torch.float32, seed=0, doc=None, Tk=None):
     """q/k/v and a realistic (idx, valid) from dsa.select_topk under a causal (optionally packed) mask:
     early queries see fewer than topk keys, so their trailing slots are invalid."""
@@ -130,7 +141,7 @@ def make_inputs(B=2, T=24, H=4, Hkv=2, D=16, topk=18, dtype=torch.float32, seed=
     q = torch.randn(B, T, H, D, generator=g).to(dtype)
     k = torch.randn(B, Tk, Hkv, D, generator=g).to(dtype)
     v = torch.randn(B, Tk, Hkv, D, generator=g).to(dtype)
-    mask = AttnMask(torch.arange(Tk - T, Tk), Tk, doc=doc)
+    mask = DocMask(torch.arange(Tk - T, Tk), Tk, doc=doc)
     iq, iw, ik = torch.randn(B, T, 2, 8, generator=g), torch.randn(B, T, 2, generator=g), torch.randn(B, Tk, 8, generator=g)
     idx, valid = dsa.select_topk(iq, iw, ik, mask, topk)
     return q, k, v, idx, valid

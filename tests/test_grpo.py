@@ -70,7 +70,8 @@ def run(logp, gen, adv, mask, prox_logp=None, ref_logp=None, entropy=None, loss_
     loss, metrics = grpo.policy_loss(logp, gen, adv, mask, cfg(**kw), prox_logp=prox_logp, ref_logp=ref_logp,
                                      entropy=entropy, loss_scale=loss_scale)
     loss.backward()
-    return loss.item(), logp.grad, metrics
+    assert all(v.dim() == 0 and not v.requires_grad for v in metrics.values())  # read with one host sync
+    return loss.item(), logp.grad, {k: v.item() for k, v in metrics.items()}
 
 
 def assert_close(x, y, tol=1e-10):
@@ -312,12 +313,13 @@ def test_kl_and_entropy_terms_in_loss(kind):
     assert m["entropy"] == pytest.approx(sum(flat(ent.tolist())) / len(flat(kl)))
 
 
-def test_entropy_from_logits_and_token_logprobs():
+def test_token_logprobs_and_entropy():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 5, generator=g) * 4
     logits[1, 2] += 1e4  # large offset must not overflow
     ids = torch.randint(0, 5, (2, 3), generator=g)
-    ent, lp = grpo.entropy_from_logits(logits), grpo.token_logprobs(logits, ids)
+    lp, ent = grpo.token_logprobs(logits, ids, entropy=True)
+    assert torch.equal(lp, grpo.token_logprobs(logits, ids))
     for i in range(2):
         for t in range(3):
             z = logits[i, t].tolist()
@@ -326,7 +328,12 @@ def test_entropy_from_logits_and_token_logprobs():
             assert ent[i, t].item() == pytest.approx(-sum(math.exp(v - lse) * (v - lse) for v in z), abs=1e-4)
             assert lp[i, t].item() == pytest.approx(z[ids[i, t]] - lse, abs=1e-4)
     assert grpo.token_logprobs(logits.bfloat16(), ids).dtype == torch.float32
-    assert grpo.entropy_from_logits(logits.bfloat16()).dtype == torch.float32
+    assert grpo.token_logprobs(logits.bfloat16(), ids, entropy=True)[1].dtype == torch.float32
+    # a token whose probability underflows to 0 leaves H and its gradient finite
+    z = torch.tensor([[0.0, -200.0, 5.0]], requires_grad=True)
+    _, h = grpo.token_logprobs(z, torch.tensor([0]), entropy=True)
+    h.sum().backward()
+    assert torch.isfinite(h).all() and torch.isfinite(z.grad).all()
 
 
 # --- padding and micro-batching -------------------------------------------------------------
