@@ -199,11 +199,12 @@ class Packed:
         starts = (position_ids.flatten() == 0).nonzero()[:, 0].cpu()
         starts = torch.unique(torch.cat([starts, torch.arange(0, N, T)]))  # a row's first token starts one
         lengths = torch.diff(starts, append=torch.tensor([N]))
-        order = sorted(range(len(starts)), key=lambda i: -int(lengths[i]))  # longest first, ties by position
+        n_of = lengths.tolist()  # the lengths as Python ints: the grouping below is host bookkeeping
+        order = sorted(range(len(starts)), key=lambda i: -n_of[i])  # longest first, ties by position
         groups, back, share, offset, i = [], torch.empty(N, dtype=torch.long), [], 0, 0
         while i < len(order):
-            L, j = int(lengths[order[i]]), i + 1
-            while j < len(order) and lengths[order[j]] >= GROUP_RATIO * L:
+            L, j = n_of[order[i]], i + 1
+            while j < len(order) and n_of[order[j]] >= GROUP_RATIO * L:
                 j += 1
             st, ln = starts[order[i:j]], lengths[order[i:j]]  # [n]
             slot = torch.arange(L)
@@ -378,6 +379,7 @@ class Attention(nn.Module):
         position order and maps its top-k back to slots, which the `S` layers after it reuse. Returns
         (out [B, 1, H, D], selected: (slots [B, K], valid [B, K]) or None for all of the row's keys)."""
         keys, valid = cache.keys, cache.key_valid  # [B, Lk]
+        B, _, H, D = q.shape
         cache.write(cache.k, self.layer, k)
         cache.write(cache.v, self.layer, v)
         if self.indexer is not None:
@@ -385,20 +387,30 @@ class Attention(nn.Module):
             cache.write(cache.index_k, self.layer, ik)
             Lk = keys.shape[1]
             selected = None  # top-k >= keys: DSA selects every key, as in the learner
-            if self.cfg.dsa.topk < Lk:
+            if self.cfg.dsa.topk < Lk and dsa._triton(q):  # the Triton scores, as the learner's
                 view = AttnMask(torch.full((1,), Lk - 1, device=keys.device), Lk, valid)  # the query is the last key
                 idx, ok = dsa.select_topk(iq, iw, cache.index_k[self.layer][keys], view, self.cfg.dsa.topk)
                 selected = keys.gather(1, idx[:, 0]), ok[:, 0]
+            elif self.cfg.dsa.topk < Lk:
+                # dsa.select_topk for one query per row, the row's last key (it sees all its valid keys):
+                # scores [B, Lk] of the row's indexer keys in position order, so ties go to the earlier key
+                pool_ik = cache.index_k[self.layer]
+                s = dsa.index_scores(iq, iw, pool_ik.index_select(0, keys.flatten()).view(B, Lk, -1))[:, 0]
+                s = s.masked_fill_(~valid, float("-inf"))
+                chosen = dsa._tie_broken(s).topk(self.cfg.dsa.topk, dim=-1).indices  # [B, K]
+                selected = keys.gather(1, chosen), s.gather(1, chosen) > float("-inf")
         idx, ok = selected if self.kind is not None and selected is not None else (keys, valid)
         pk, pv, scale = cache.k[self.layer], cache.v[self.layer], self.cfg.head_dim ** -0.5
         if dsa._triton(q):  # the kernel reads the pool in place: the B rows are B queries of one sequence
             return dsa.sparse_attention(q.transpose(0, 1), pk[None], pv[None], idx[None], ok[None], scale).transpose(0, 1), selected
-        # Elsewhere: gather each row's keys and values (whole slots, contiguous) [B, Hkv, K, D] and attend in
-        # fp32, as dsa.sparse_attention does
-        B, _, H, D = q.shape
-        k, v = pk[idx].transpose(1, 2), pv[idx].transpose(1, 2)
+        # Elsewhere: gather each row's keys and values (whole slots, contiguous rows: index_select, several
+        # times faster on a CPU than advanced indexing) [B, Hkv, K, D] and attend in fp32, as
+        # dsa.sparse_attention does
+        K, Hkv = idx.shape[1], pk.shape[1]
+        k = pk.index_select(0, idx.flatten()).view(B, K, Hkv, D).transpose(1, 2)
+        v = pv.index_select(0, idx.flatten()).view(B, K, Hkv, D).transpose(1, 2)
         with dsa.fp32_scope(q):
-            att = (q.view(B, k.shape[1], -1, D).float() @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, K]
+            att = (q.view(B, Hkv, -1, D).float() @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, K]
             att = att.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
             return (att @ v.float()).to(q.dtype).view(B, 1, H, D), selected
 

@@ -22,6 +22,7 @@ logprobs) accounts for the mix, but which token saw which version depends on tim
 """
 import asyncio
 import collections
+import functools
 import itertools
 import json
 import os
@@ -80,6 +81,12 @@ def sample_keys(seeds, steps):
     return _mix32(seeds ^ _mix32(steps & _M32))
 
 
+@functools.lru_cache(maxsize=8)
+def _vocab_hash(vocab_size, device):
+    """_mix32 of every token id [V], the same at every step: hashed once per vocabulary and device."""
+    return _mix32(torch.arange(vocab_size, device=device))
+
+
 def sample_tokens(logits, sampling: SamplingParams, keys):
     """logits [B, V], keys [B] (sample_keys) -> tokens [B], logprobs [B]. Gumbel-max: argmax(logp + g)
     with g = -log(-log u) draws exactly from softmax(logp), and u is a hash of (key, token id), so a row's
@@ -100,8 +107,7 @@ def sample_tokens(logits, sampling: SamplingParams, keys):
             sorted_p, order = logp.exp().sort(-1, descending=True)
             drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p > sampling.top_p)
             scores = logp.masked_fill(drop, float("-inf"))
-        vocab = torch.arange(logp.shape[-1], device=logp.device)
-        u = (_mix32(keys[:, None] ^ _mix32(vocab)[None]) >> 8).float().add_(0.5).mul_(2.0 ** -24)  # (0, 1), 24 bits
+        u = (_mix32(keys[:, None] ^ _vocab_hash(logp.shape[-1], logp.device)[None]) >> 8).float().add_(0.5).mul_(2.0 ** -24)  # (0, 1), 24 bits
         tokens = (scores - u.log_().neg_().log_()).argmax(-1)
     logp = logp.gather(-1, tokens[:, None])[:, 0]
     return tokens, torch.where(finite[:, 0], logp, float("nan"))
@@ -184,8 +190,9 @@ class TorchEngine:
             raise ValueError("one call's SamplingParams may differ in max_new_tokens only")
         rng = random.Random(seed)  # seed None: fresh noise per call, from torch's RNG
         base = rng.getrandbits(32) if seed is not None else int(torch.randint(0, 2**32, ()))
-        reqs = [_Request(i, list(p), s.max_new_tokens, base ^ int(_mix32(torch.tensor(i))))
-                for i, (p, s) in enumerate(zip(prompts, per))]
+        salts = _mix32(torch.arange(len(prompts))).tolist()  # one hash per request, in one op (not one each)
+        reqs = [_Request(i, list(p), s.max_new_tokens, base ^ salt)
+                for i, (p, s, salt) in enumerate(zip(prompts, per, salts))]
         with self.call_lock:
             self._open(reqs, per[0] if per else SamplingParams())
             try:
@@ -384,13 +391,13 @@ class TorchEngine:
         """Prefill the admitted requests as one packed row, sample their first token, add their rows."""
         self.stats["prefills"] += 1
         ctxs = [r.prompt + r.tokens for r in new]
+        # Host lists, one tensor each (a tensor per request would cost more than the tiny model's prefill):
+        # token ids, positions restarting at 0 per sequence, and the pool slot of each token [T]
         ids = torch.tensor([t for c in ctxs for t in c], device=self.device)
-        pos = torch.cat([torch.arange(len(c)) for c in ctxs])
-        blocks = torch.cat([torch.tensor(r.blocks) for r in new])
-        starts = torch.tensor([0] + [len(r.blocks) for r in new]).cumsum(0)[:-1]  # each one's first entry in `blocks`
-        owner = torch.repeat_interleave(torch.arange(len(new)), torch.tensor([len(c) for c in ctxs]))
-        slots = blocks[starts[owner] + pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-        ends = torch.tensor([len(c) for c in ctxs]).cumsum(0) - 1
+        pos = torch.tensor([p for c in ctxs for p in range(len(c))])
+        slots = torch.tensor([r.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                              for r, c in zip(new, ctxs) for p in range(len(c))])
+        ends = torch.tensor(list(itertools.accumulate(len(c) for c in ctxs))) - 1  # each one's last token
         self.pool.slots, self.pool.keys = slots.to(self.device), None
         with self.lock:
             hidden = self.model(ids[None], position_ids=pos.to(self.device)[None], cache=self.pool, return_hidden=True)
@@ -403,9 +410,7 @@ class TorchEngine:
         tok, lp = sample_tokens(logits, self.sampling, sample_keys(seeds, base))
         buf = torch.tensor([self.free_bufs.pop() for _ in new], device=dev)
         self.out_tok[buf, 0], self.out_lp[buf, 0] = tok, lp
-        table = torch.zeros(n, self.max_blocks, dtype=torch.long)
-        for i, r in enumerate(new):
-            table[i, :len(r.blocks)] = torch.tensor(r.blocks)
+        table = torch.tensor([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in new], dtype=torch.long)
         ones = torch.ones(n, dtype=torch.long, device=dev)
         state = dict(last=tok, pos=torch.tensor([len(c) for c in ctxs], device=dev), ngen=ones, left=left,
                      seeds=seeds, base=base, buf=buf, status=self._status(tok, lp, ones, left), table=table.to(dev))
