@@ -65,7 +65,13 @@ class RolloutConfig:
     # i - max_staleness, which makes runs reproducible and resume exact. true: they land at the next decode
     # step of the batch in flight (fresher tokens; which token saw which version then depends on timing).
     partial_rollout: bool = False
-    max_batch: int = 64  # sequences the engine decodes together (its KV cache is sized for them)
+    # With partial_rollout, what the rows in flight do when weights land: keep_kv (continue over the KV the
+    # old weights computed, as PRIME-RL and SkyRL) or reprefill (compute it again under the new ones, as AReaL)
+    update_mode: str = "keep_kv"
+    max_batch: int = 64  # rows the torch engine decodes at once (continuous batching: a finished row is refilled)
+    # Token slots of the torch engine's paged KV pool (rows take blocks as they grow; when it is full the
+    # newest rows wait, prefilled again later). null: max_batch x (max_prompt_tokens + longest response)
+    kv_cache_tokens: int | None = None
     engine: str = "torch"  # torch: our engine (runs DSA) | sglang: SGLang's (optional extra, dense checkpoints, GPU)
     sglang_mem_fraction: float = 0.8  # engine: sglang only: share of the generator GPU for weights + KV cache
 
@@ -79,7 +85,7 @@ class OptimConfig:
     max_skipped_steps: int = 5  # a step with a non-finite loss or gradient is skipped; this many in a row stop the run
     # Learner token budget: one micro-batch is one packed row of at most this many tokens. At 9B, 16K is one
     # or two maximal responses (1K prompt + 8K) or many short ones: fewer passes, each of which gathers every
-    # layer under FSDP. --dry-run of glm9b_math: 55.8 of 74.5 GiB per learner GPU (69.3 with a KL reference
+    # layer under FSDP. --dry-run of glm9b_math: 55.9 of 74.5 GiB per learner GPU (69.4 with a KL reference
     # and DSA); a larger budget would leave the KL reference no room.
     max_tokens_per_micro_batch: int = 16384
     warmup_steps: int = 0  # linear lr warm-up over this many steps at the start of every stage
@@ -137,6 +143,7 @@ SAFE_ON_RESUME = {
     "run_dir", "train.rl_steps", "train.eval_every", "train.eval_n", "train.eval_max_new_tokens",
     "train.eval_temperature", "train.eval_greedy", "train.save_every", "train.keep_checkpoints",
     "train.learner_device", "train.generator_device", "data.eval", "data.eval_size", "rollout.max_batch",
+    "rollout.kv_cache_tokens",
     "rollout.sglang_mem_fraction", "optim.max_tokens_per_micro_batch", "optim.max_skipped_steps",
     "model.gradient_checkpointing", "model.dsa_kernels",
 }
@@ -304,6 +311,8 @@ RULES = [  # (keys, test, what each must be)
     (("rollout.max_staleness", "optim.warmup_steps", "train.dsa_warmup_steps", "train.sft_steps", "train.rl_steps",
       "train.eval_every"), lambda x: x >= 0, ">= 0"),
     (("data.train_size", "data.eval_size"), lambda x: x is None or x >= 1, ">= 1 (or null: all)"),
+    (("rollout.kv_cache_tokens",), lambda x: x is None or x >= 1, ">= 1 (or null: every row at full length)"),
+    (("rollout.update_mode",), lambda x: x in ("keep_kv", "reprefill"), "keep_kv or reprefill"),
     (("optim.betas",), lambda b: len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b),
      "[beta1, beta2], each in [0, 1)"),
     (("rollout.engine",), lambda x: x in ("torch", "sglang"), "torch or sglang"),
@@ -406,6 +415,8 @@ def plan_memory(cfg: Config, processes):
                        gradient_checkpointing=cfg.model.gradient_checkpointing,
                        trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
+                       kv_cache_tokens=r.kv_cache_tokens,
                        generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
-                       prompt_len=r.max_prompt_tokens, engine=r.engine, sglang_mem_fraction=r.sglang_mem_fraction,
-                       logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES, dsa_kernels=cfg.model.dsa_kernels)
+                       max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
+                       sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,
+                       dsa_kernels=cfg.model.dsa_kernels)

@@ -9,11 +9,12 @@ What makes it GLM rather than Llama: "sandwich" norms (an extra RMSNorm after at
 MLP), a bias on the Q/K/V projections, RoPE on only the first `partial_rotary_factor` of each head's
 dimensions with *interleaved* pairs (x0,x1), (x2,x3)..., and an untied LM head. Attention is GQA.
 
-One forward serves three callers:
+One forward serves every caller:
   - the learner: packed rows (several sequences per row, positions restarting at 0 for each one, no
     attention across them) so no compute is spent on padding;
-  - the generator: a KVCache, batched rows with left or right padding, one or many new tokens per call;
-  - tests and tools: plain [B, T] input.
+  - the generator: a PagedKVCache, packed prefills, then one new token per row against a block pool;
+  - tests and tools: a KVCache (batched rows with left or right padding, one or many new tokens per
+    call), or plain [B, T] input.
 Each of them is described by an `AttnMask`, built once per forward and shared by all layers.
 
 Checkpoints are Hugging Face directories (config.json + *.safetensors, sharded or not), read and
@@ -202,11 +203,12 @@ class Packed:
         starts = (position_ids.flatten() == 0).nonzero()[:, 0].cpu()
         starts = torch.unique(torch.cat([starts, torch.arange(0, N, T)]))  # a row's first token starts one
         lengths = torch.diff(starts, append=torch.tensor([N]))
-        order = sorted(range(len(starts)), key=lambda i: -int(lengths[i]))  # longest first, ties by position
+        n_of = lengths.tolist()  # the lengths as Python ints: the grouping below is host bookkeeping
+        order = sorted(range(len(starts)), key=lambda i: -n_of[i])  # longest first, ties by position
         groups, back, share, offset, i = [], torch.empty(N, dtype=torch.long), [], 0, 0
         while i < len(order):
-            L, j = int(lengths[order[i]]), i + 1
-            while j < len(order) and lengths[order[j]] >= GROUP_RATIO * L:
+            L, j = n_of[order[i]], i + 1
+            while j < len(order) and n_of[order[j]] >= GROUP_RATIO * L:
                 j += 1
             st, ln = starts[order[i:j]], lengths[order[i:j]]  # [n]
             slot = torch.arange(L)
@@ -250,13 +252,35 @@ class KVCache:
         store[i][:, self.length:end] = new
         return store[i][:, :end]
 
-    def keep(self, rows: torch.Tensor):
-        """Drop finished rows (rows: indices to keep) so later steps do no work for them."""
-        for store in (self.k, self.v, self.index_k):  # layer by layer: only one layer is ever copied twice
-            for i, t in enumerate(store):
-                if t is not None:
-                    store[i] = t[rows]
-        self.key_mask = self.key_mask[rows]
+
+class PagedKVCache:
+    """The engine's KV memory (rollout.TorchEngine): per layer one pool of token slots, keys and values
+    [N, Hkv, D] (and indexer keys [N, d_I] on DSA `F` layers), handed to sequences in blocks of block_size
+    slots (the free list), so memory follows the tokens each sequence really holds and a finished
+    sequence's blocks are reused without copying anything. Before each forward the engine says where
+    the new tokens go and what the rows read:
+      - prefill: input [1, T], a packed row of whole sequences (positions restarting at 0). Attention
+        stays inside the row, as the learner's does; `slots` [T] receive the keys on the way.
+      - decode: input [B, 1], one new token per row. `slots` [B] receive them, and `keys` [B, Lk] lists
+        each row's slots in position order, left-padded (`key_valid` False there), the new token last.
+        Attention.paged_decode reads the pool through them, so DSA's "earlier key wins" ties follow
+        positions in the sequence, as in the learner's forward, never slot numbers."""
+
+    def __init__(self, cfg: GLMConfig, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
+        N = num_blocks * block_size
+        self.k = [torch.zeros(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        kinds = cfg.dsa.layer_kinds(cfg.num_layers) if cfg.dsa else "." * cfg.num_layers
+        self.index_k = [torch.zeros(N, cfg.dsa.head_dim, device=device, dtype=dtype) if kind == "F" else None
+                        for kind in kinds]
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free = list(range(num_blocks - 1, -1, -1))  # free block ids; pop() hands out the lowest first
+        self.slots = self.keys = self.key_valid = None  # set by the engine before each forward
+
+    def write(self, store, i, new):
+        """Store new [B, T, ...] of layer i at `slots`; return it unchanged (prefill attends within its row)."""
+        store[i].index_copy_(0, self.slots, new.flatten(0, 1).to(store[i].dtype))
+        return new
 
 
 # ----------------------------------------------------------------------------- the decoder
@@ -294,15 +318,14 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(B, T, -1, D), *rope["main"])
         k = apply_rope(self.k_proj(x).view(B, T, -1, D), *rope["main"])
         v = self.v_proj(x).view(B, T, -1, D)
+        if isinstance(cache, PagedKVCache) and cache.keys is not None:
+            out, selected = self.paged_decode(x, q, k, v, rope, cache, selected)
+            return self.o_proj(out.reshape(B, T, -1)), selected, None
         if cache is not None:
             k, v = cache.write(cache.k, self.layer, k), cache.write(cache.v, self.layer, v)
         index = None
         if self.indexer is not None:
-            # The indexer sees a detached input: it must never push gradients into the model.
-            # Outside indexer training nothing flows through it at all (top-k is not differentiable).
-            with torch.set_grad_enabled(torch.is_grad_enabled() and indexer_loss is not None):
-                iq, ik, iw = self.indexer(x.detach())
-                iq, ik = apply_rope(iq, *rope["index"]), apply_rope(ik, *rope["index"])
+            iq, ik, iw = self.index(x, rope, indexer_loss)
             if cache is not None:
                 ik = cache.write(cache.index_k, self.layer, ik)
             index = (iq, iw, ik)
@@ -343,6 +366,57 @@ class Attention(nn.Module):
             if index is not None and indexer_loss is not None:
                 kl = dsa.dense_indexer_kl(*index, q, k, mask, scale)
         return out, selected, kl
+
+
+    def index(self, x, rope, indexer_loss=None):
+        """The indexer's q [B, T, H_I, d_I], k [B, T, d_I] (both after RoPE) and w [B, T, H_I]. It sees a
+        detached input: it must never push gradients into the model. Outside indexer training nothing
+        flows through it at all (top-k is not differentiable)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and indexer_loss is not None):
+            iq, ik, iw = self.indexer(x.detach())
+            return apply_rope(iq, *rope["index"]), apply_rope(ik, *rope["index"]), iw
+
+    def paged_decode(self, x, q, k, v, rope, cache: PagedKVCache, selected):
+        """One new token per row (q [B, 1, H, D], k/v [B, 1, Hkv, D]) against the engine's block pool:
+        attention over each row's own slots is sparse attention with per-query key indices (dsa.py; the
+        Triton kernel reads the pool in place on CUDA). DSA scores the row's indexer keys gathered in
+        position order and maps its top-k back to slots, which the `S` layers after it reuse. Returns
+        (out [B, 1, H, D], selected: (slots [B, K], valid [B, K]) or None for all of the row's keys)."""
+        keys, valid = cache.keys, cache.key_valid  # [B, Lk]
+        B, _, H, D = q.shape
+        cache.write(cache.k, self.layer, k)
+        cache.write(cache.v, self.layer, v)
+        if self.indexer is not None:
+            iq, ik, iw = self.index(x, rope)
+            cache.write(cache.index_k, self.layer, ik)
+            Lk = keys.shape[1]
+            selected = None  # top-k >= keys: DSA selects every key, as in the learner
+            if self.cfg.dsa.topk < Lk and dsa._triton(q):  # the Triton scores, as the learner's
+                view = AttnMask(torch.full((1,), Lk - 1, device=keys.device), Lk, valid)  # the query is the last key
+                idx, ok = dsa.select_topk(iq, iw, cache.index_k[self.layer][keys], view, self.cfg.dsa.topk)
+                selected = keys.gather(1, idx[:, 0]), ok[:, 0]
+            elif self.cfg.dsa.topk < Lk:
+                # dsa.select_topk for one query per row, the row's last key (it sees all its valid keys):
+                # scores [B, Lk] of the row's indexer keys in position order, so ties go to the earlier key
+                pool_ik = cache.index_k[self.layer]
+                s = dsa.index_scores(iq, iw, pool_ik.index_select(0, keys.flatten()).view(B, Lk, -1))[:, 0]
+                s = s.masked_fill_(~valid, float("-inf"))
+                chosen = dsa._tie_broken(s).topk(self.cfg.dsa.topk, dim=-1).indices  # [B, K]
+                selected = keys.gather(1, chosen), s.gather(1, chosen) > float("-inf")
+        idx, ok = selected if self.kind is not None and selected is not None else (keys, valid)
+        pk, pv, scale = cache.k[self.layer], cache.v[self.layer], self.cfg.head_dim ** -0.5
+        if dsa._triton(q):  # the kernel reads the pool in place: the B rows are B queries of one sequence
+            return dsa.sparse_attention(q.transpose(0, 1), pk[None], pv[None], idx[None], ok[None], scale).transpose(0, 1), selected
+        # Elsewhere: gather each row's keys and values (whole slots, contiguous rows: index_select, several
+        # times faster on a CPU than advanced indexing) [B, Hkv, K, D] and attend in fp32, as
+        # dsa.sparse_attention does
+        K, Hkv = idx.shape[1], pk.shape[1]
+        k = pk.index_select(0, idx.flatten()).view(B, K, Hkv, D).transpose(1, 2)
+        v = pv.index_select(0, idx.flatten()).view(B, K, Hkv, D).transpose(1, 2)
+        with dsa.fp32_scope(q):
+            att = (q.view(B, Hkv, -1, D).float() @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, K]
+            att = att.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
+            return (att @ v.float()).to(q.dtype).view(B, 1, H, D), selected
 
 
 def dense_attention(q, k, v, mask: AttnMask, scale):
@@ -401,13 +475,13 @@ class GLM(nn.Module):
         self.gradient_checkpointing = False  # recompute each block in backward (learner memory option)
         self.apply(init_weights)
 
-    def forward(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | None = None,
+    def forward(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | PagedKVCache | None = None,
                 last_only=False, indexer_loss=None, return_hidden=False):
         """input_ids [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only).
 
-        position_ids [B, T]: without a cache, the rows are packed: positions restart at 0 where each
-            sequence starts, and no token attends across sequences (model.Packed); with a cache, the
-            caller gives each row's real positions (they skip padding).
+        position_ids [B, T]: without a cache (or in a PagedKVCache prefill), the rows are packed: positions
+            restart at 0 where each sequence starts, and no token attends across sequences (model.Packed);
+            with a KVCache or a paged decode step, the caller gives each row's real positions.
         attention_mask [B, T]: 1 for real tokens, 0 for padding.
         indexer_loss: None, "dense" (warm-up: dense attention, KL on all keys) or "sparse" (top-k
             attention, KL on the selected keys); then returns (logits, indexer KL averaged over F layers).
@@ -416,11 +490,14 @@ class GLM(nn.Module):
         """
         B, T = input_ids.shape
         device = input_ids.device
+        paged, cache = (cache, None) if isinstance(cache, PagedKVCache) else (None, cache)  # paged: masks as without a cache
         past = cache.length if cache is not None else 0
         if cache is not None and past + T > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} slots; {past} used + {T} new tokens do not fit")
         valid = attention_mask.bool() if attention_mask is not None else None
-        packed = position_ids is not None and cache is None
+        # Packed rows: position_ids without a cache, or a paged prefill (a paged decode step reads its rows'
+        # keys through the pool instead: Attention.paged_decode)
+        packed = position_ids is not None and cache is None and (paged is None or paged.keys is None)
         if packed and valid is not None:
             raise ValueError("packed rows (position_ids without a cache) have no padding: drop attention_mask")
         if position_ids is None:
@@ -447,7 +524,7 @@ class GLM(nn.Module):
             x = x.to(torch.get_autocast_dtype(device.type))
         selected, kls = None, []  # top-k choice flows from each F layer to the S layers after it
         for block in self.layers:
-            args = (x, rope, mask, cache, selected, indexer_loss)
+            args = (x, rope, mask, paged or cache, selected, indexer_loss)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x, selected, kl = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
@@ -712,9 +789,8 @@ class MemoryPlan:
             fix += ["grpo.kl_coef: 0 and grpo.kl_guard: false (no reference model)"] if s["reference"] else []
             out.append(f"{lt} needs {lneed / GiB:.1f} GiB of {lgpu / GiB:.1f}: " + "; ".join(fix))
         if s["engine"] == "torch" and gneed > gpool:
-            out.append(f"{gt} needs {gneed / GiB:.1f} GiB of {gpool / GiB:.1f}: a smaller rollout.max_batch, or shorter "
-                       "rollout.max_new_tokens / train.eval_max_new_tokens (the KV cache holds max_batch x (prompt + "
-                       "new tokens))" + ("" if s["dsa"] else ", or rollout.engine: sglang (paged KV cache)"))
+            out.append(f"{gt} needs {gneed / GiB:.1f} GiB of {gpool / GiB:.1f}: a smaller rollout.kv_cache_tokens (null: "
+                       "max_batch x (prompt + new tokens)) or rollout.max_batch")
         if s["engine"] == "sglang" and gneed + s["kv_token"] * s["generator_max_len"] > gpool:
             out.append(f"{gt}: SGLang's share ({gpool / GiB:.1f} GiB) cannot hold the weights and one sequence's KV "
                        "cache: a larger rollout.sglang_mem_fraction")
@@ -750,14 +826,17 @@ def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad, kernels):
 
 def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
                 gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
-                generator_batch: int, generator_max_len: int, prompt_len: int, engine: str,
+                generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
+                kv_cache_tokens: int | None = None, prefill_tokens: int = 4096,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
                 dsa_kernels: bool = True) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
-    micro_batch_tokens) and the generator (engine "torch": generator_batch rows of generator_max_len slots,
-    prefilled with prompt_len tokens each; "sglang": its share of the GPU). logit_chunk: response tokens
-    per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch keeps for backward
-    instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA runs dsa_triton's kernels (dsa.USE_TRITON)."""
+    micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
+    up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
+    (None: every row at full length), prefills of prefill_tokens; "sglang": its share of the GPU). logit_chunk:
+    response tokens per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch
+    keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA runs dsa_triton's
+    kernels (dsa.USE_TRITON)."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
     with torch.device("meta"):
@@ -826,30 +905,35 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     name, peak = max(transients, key=lambda t: t[1])
     learner += [(f"largest transient: {name}", peak), ("CUDA context, NCCL, fragmentation", OVERHEAD)]
 
-    # Generator: our engine holds bf16 weights (dsa.FP32_PARAMS in fp32), one KVCache of B x S slots per layer
-    # (keys and values [B, S, Hkv, D], indexer keys [B, S, d_I] on F layers, key_mask [B, S] bool) and prefills
-    # B x Pn at once. Rollout and eval share that one cache: the engine runs one batch at a time (rollout.py).
-    B, S, Pn = generator_batch, generator_max_len, prompt_len
-    kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0)) + 1
+    # Generator: our engine holds bf16 weights (dsa.FP32_PARAMS in fp32) and one PagedKVCache of T token slots
+    # (keys and values [T, Hkv, D] per layer, indexer keys [T, d_I] on F layers), shared by rollout and eval
+    # (calls take turns, rollout.py). Per row: a block table, its tokens and logprobs so far, and each decode
+    # step's key slots [B, S]. Its transients: a prefill (one packed row of at most prefill_tokens, or one
+    # longer context alone) or a decode step (logits and the sampler's hashed noise [B, V], DSA's scores).
+    B, S = generator_batch, generator_max_len
+    T = kv_cache_tokens or B * S
+    kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0))
     if engine == "sglang":
         generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P + 2 * P32)]
     else:
-        M = B * Pn  # prefill tokens, no grad, everything bf16 but RMSNorm's internals
+        M = max(prefill_tokens, S)  # prefill tokens, no grad, everything bf16 but RMSNorm's internals
         prefill = M * (2 * h + max(2 * (h + 4 * I),  # residual [M, h] + normed input, gate_up [M, 2I], silu, act
                                    2 * (h + 2 * (HD + 2 * KD) + 2 * HD + HD),  # or q, k, v, RoPE, k/v expanded, out
-                                   3 * 4 * h)) + 5 * B * Pn * Pn  # or RMSNorm's fp32 temps; masks [B, P, P]
-        decode = int(4.5 * B * V * 4)  # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp
-        if cfg.dsa is not None and cfg.dsa.topk < Pn:
-            prefill += _dsa_block(cfg, B, Pn, Pn, grad=False, kernels=dsa_kernels)
-        if cfg.dsa is not None and cfg.dsa.topk < S:  # a decode step's indexer scores [B, 1, H_I, S]
-            decode += _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
-        name, peak = max([("prefill of batch x prompt tokens", prefill), ("one decode step's logits (and DSA scores)", decode),
-                          # keep() drops finished rows one layer at a time: one layer's keys copied
-                          ("KVCache.keep: one layer's keys, copied", B * S * KD * 2)], key=lambda t: t[1])
+                                   3 * 4 * h)) + 5 * M * M  # or RMSNorm's fp32 temps; the packed row's mask [M, M]
+        # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp; the noise's int64 hashes
+        decode = int(4.5 * B * V * 4) + 3 * B * V * 8
+        if cfg.dsa is not None and cfg.dsa.topk < M:
+            prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
+        if cfg.dsa is not None and cfg.dsa.topk < S:  # the rows' indexer keys gathered [B, S, d_I], their scores
+            decode += 2 * B * S * cfg.dsa.head_dim + _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
+        name, peak = max([(f"prefill of {M} packed tokens", prefill), ("one decode step's logits and noise (and DSA scores)",
+                                                                        decode)], key=lambda t: t[1])
+        rows = B * (S // 16 + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
         generator = [("bf16 weights (indexer weights_proj, k_norm fp32)", 2 * P + 2 * P32),
-                     (f"KV cache bf16, {B} x {S} slots (rollout and eval, one at a time)", B * S * kv_token),
+                     (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
+                     (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows),
                      (f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
     settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
                     reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,
-                    generator_batch=B, generator_max_len=S, kv_token=kv_token)
+                    generator_batch=B, generator_max_len=S, kv_token=kv_token, kv_cache_tokens=T)
     return MemoryPlan(P, learner, generator, settings)

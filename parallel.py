@@ -16,6 +16,7 @@ learner_backward multiplies the loss by world() to turn their mean back into tha
 import datetime
 import math
 import os
+import signal
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -115,6 +116,10 @@ def launch(pairs, script, argv):
     except Exception as e:  # noqa: BLE001 - a failing process printed its own one-line error already
         codes = [f.exitcode for f in getattr(e, "failures", {}).values()]
         killed = [-c for c in codes if c is not None and c < 0]
+        # Once one process fails, torchrun ends the others with SIGTERM: beside a process's own error (a
+        # positive exit code, its one line already printed) a SIGTERM is that teardown, not the cause
+        if any(c is not None and c > 0 for c in codes):
+            killed = [s for s in killed if s != signal.SIGTERM]
         raise SystemExit(f"error: a training process was killed by signal {killed[0]} (out of memory?)" if killed
                          else max([c for c in codes if c] or [1])) from None
 

@@ -21,6 +21,8 @@ under the new weights, keeping the KV cache computed under the old ones, and eac
 logprobs) accounts for the mix, but which token saw which version depends on timing.
 """
 import asyncio
+import collections
+import functools
 import itertools
 import json
 import os
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data import eval_metrics, math_reward, render_prompt
-from model import GLM, KVCache, hf_name
+from model import GLM, PagedKVCache, hf_name
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
@@ -61,119 +63,148 @@ class Completion:
 
 # ----------------------------------------------------------------------------- the torch engine
 
-def sample_tokens(logits, sampling: SamplingParams, generator=None):
-    """logits [B, V] -> tokens [B], logprobs [B]. The logprob is of the full temperature-scaled
-    distribution (before top-p truncation), which is what the learner recomputes. A row whose logits are
-    not finite (weights blown up) gets logprob NaN, for the caller to report on its next host sync,
-    instead of a multinomial crash in the middle of the batch."""
+BLOCK_SIZE = 16  # token slots per KV block: a sequence wastes under one block
+PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most (a longer context goes alone)
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A bijective hash of int64 tensors holding 32-bit values (two multiply-xorshift rounds; every
+    product stays below 2^63)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def sample_keys(seeds, steps):
+    """One 32-bit noise key per row: its request's seed and how many tokens it has sampled (int64 [B])."""
+    return _mix32(seeds ^ _mix32(steps & _M32))
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_hash(vocab_size, device):
+    """_mix32 of every token id [V], the same at every step: hashed once per vocabulary and device."""
+    return _mix32(torch.arange(vocab_size, device=device))
+
+
+def sample_tokens(logits, sampling: SamplingParams, keys):
+    """logits [B, V], keys [B] (sample_keys) -> tokens [B], logprobs [B]. Gumbel-max: argmax(logp + g)
+    with g = -log(-log u) draws exactly from softmax(logp), and u is a hash of (key, token id), so a row's
+    draw depends on its own request and step only, never on which rows share its batch (no RNG state).
+    The logprob is of the full temperature-scaled distribution (before top-p truncation), which is what
+    the learner recomputes. A row whose logits are not finite (weights blown up) gets logprob NaN, for the
+    engine to report at its next host sync, instead of a crash in the middle of the batch."""
     logits = logits.float()
     finite = torch.isfinite(logits).all(-1, keepdim=True)  # [B, 1]
     logits = torch.where(finite, logits, 0.0)
-    tokens, logp = _sample(logits, sampling, generator)
+    if sampling.temperature == 0:
+        logp = logits.log_softmax(-1)
+        tokens = logits.argmax(-1)
+    else:
+        logp = (logits / sampling.temperature).log_softmax(-1)
+        scores = logp
+        if sampling.top_p < 1.0:  # keep the smallest prefix of tokens reaching top_p, sample among them
+            sorted_p, order = logp.exp().sort(-1, descending=True)
+            drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p > sampling.top_p)
+            scores = logp.masked_fill(drop, float("-inf"))
+        u = (_mix32(keys[:, None] ^ _vocab_hash(logp.shape[-1], logp.device)[None]) >> 8).float().add_(0.5).mul_(2.0 ** -24)  # (0, 1), 24 bits
+        tokens = (scores - u.log_().neg_().log_()).argmax(-1)
+    logp = logp.gather(-1, tokens[:, None])[:, 0]
     return tokens, torch.where(finite[:, 0], logp, float("nan"))
 
 
-def _sample(logits, sampling, generator):
-    if sampling.temperature == 0:
-        tokens = logits.argmax(-1)
-        return tokens, logits.log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
-    logp = (logits / sampling.temperature).log_softmax(-1)
-    probs = logp.exp()
-    if sampling.top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p > sampling.top_p  # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
-    tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+@dataclass
+class _Request:
+    index: int  # its place in the call's prompt list
+    prompt: list[int]
+    max_new: int
+    seed: int  # 32 bits: its sampling noise is a hash of (seed, step, token id)
+    tokens: list[int] = field(default_factory=list)  # sampled before its current admission (a retracted row's)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list | None = None  # [oldest, newest] weight version
+    blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
+    finish: str | None = None
+
+    def completion(self):
+        return Completion(self.tokens, self.logprobs, self.finish, tuple(self.versions))
 
 
 class TorchEngine:
-    """Batched generation on our own model: left-padded prefill into a KV cache, then one token per
-    step for every unfinished row (finished rows are dropped from the cache). A lock is held around
-    each forward, so update_weights from another thread lands between two decode steps.
-    One batch (one KV cache) exists at a time: the generator thread's rollouts and the learner thread's
-    eval take turns batch by batch, so the GPU never holds two caches that the memory plan did not count.
-    The engine owns its model: it is put in eval mode and frozen, so never hand it the learner's."""
+    """Generation on our own model with continuous batching over a paged KV pool.
 
-    def __init__(self, model: GLM, max_batch: int = 64):
+    A call's requests wait in a queue. Each iteration admits waiting requests while there are free rows
+    (at most max_batch decode at once) and free KV blocks, prefills them as one packed row (at most
+    PREFILL_TOKENS), then decodes one token for every running row together; a finished row leaves at
+    once and the next request takes its place in the following iteration, so no row waits for the
+    longest. KV lives in a model.PagedKVCache: blocks of BLOCK_SIZE slots are taken as a row grows and
+    returned when it ends, nothing is copied. When blocks run out, the newest rows are retracted: their
+    blocks are freed and they go back to the front of the queue with their tokens, to be prefilled again
+    (prompt + tokens so far) and continue where they stopped.
+
+    Host work: the running rows' state (next token, position, block table, tokens and logprobs so far,
+    done flags) stays on the device; an iteration reads back only the rows' status and counts, once, and
+    a finished row's tokens travel in bulk, landing by the next iteration's read.
+
+    Sampling is per request (sample_tokens: noise from a hash of the request's seed and step), so a fixed
+    seed gives the same tokens whatever the batch composition, retraction or re-prefill. Calls take turns
+    (`call_lock`): one call's requests fill the pool at a time, so rollouts and eval share one pool and the
+    rows a request runs beside do not depend on thread timing (same-seed runs stay bit-identical).
+
+    Weights: `lock` is held for each forward and each update, so update_weights lands between two decode
+    steps. Running rows then keep their KV, computed by the old weights (PRIME-RL, SkyRL), or with
+    reprefill=True are retracted and prefilled again under the new ones (AReaL; SGLang's retract); each
+    completion records the (oldest, newest) versions it spans. The engine owns its model: it is put in
+    eval mode and frozen, so never hand it the learner's."""
+
+    def __init__(self, model: GLM, max_batch: int = 64, kv_tokens: int | None = None, reprefill: bool = False):
         self.model = model.eval().requires_grad_(False)
-        self.max_batch = max_batch
+        self.max_batch, self.kv_tokens, self.reprefill = max_batch, kv_tokens, reprefill
         self.version = 0
         self.lock = threading.Lock()  # held for one forward or one weight update
-        self.batch_lock = threading.Lock()  # held for a whole batch: its KV cache is the only one
+        self.call_lock = threading.Lock()  # held for a whole call: its requests own the pool
         self._abort = threading.Event()
         self._params = dict(model.named_parameters())
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.pool = None  # the PagedKVCache, made by the first call that needs it
+        self.stats = {"iterations": 0, "prefills": 0, "retracted": 0}  # counts, for tests and benchmarks
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None) -> list[Completion]:
-        gen = torch.Generator(self.device).manual_seed(seed) if seed is not None else None
-        # Similar lengths share a batch, so left padding wastes little.
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    # ------------------------------------------------------------------------- calls
+
+    def generate(self, prompts: list[list[int]], sampling, seed: int | None = None) -> list[Completion]:
+        """One Completion per prompt, in order. sampling: a SamplingParams, or one per prompt (they may
+        differ in max_new_tokens only)."""
         out = [None] * len(prompts)
-        for b in range(0, len(order), self.max_batch):
-            rows = order[b:b + self.max_batch]
-            with self.batch_lock:
-                done = self._generate_batch([prompts[i] for i in rows], sampling, gen)
-            for i, c in zip(rows, done):
-                out[i] = c
+        for i, c in self.stream(prompts, sampling, seed):
+            out[i] = c
         return out
 
-    @torch.no_grad()
-    def _generate_batch(self, prompts, sampling, gen):
-        B, P = len(prompts), max(len(p) for p in prompts)
+    def stream(self, prompts: list[list[int]], sampling, seed: int | None = None):
+        """Yield (index, Completion) as requests finish. Closing the iterator early cancels the rest."""
+        per = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("cannot generate from an empty prompt")
-        ids = torch.zeros(B, P, dtype=torch.long)
-        mask = torch.zeros(B, P, dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every row's last prompt token is in slot P-1
-            ids[i, P - len(p):] = torch.tensor(p)
-            mask[i, P - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(1) - 1).clamp_min(0)
-        cache = KVCache(self.model.cfg, B, P + sampling.max_new_tokens, self.device, self.dtype)
-        with self.lock:
-            logits = self.model(ids, position_ids=pos, attention_mask=mask, cache=cache, last_only=True)[:, -1]
-            version = self.version
-        tokens = [[] for _ in range(B)]
-        logps = [[] for _ in range(B)]
-        versions = [[version, version] for _ in range(B)]
-        finish = [None] * B
-        alive = torch.arange(B)  # original row of each cache row
-        next_pos = pos[:, -1] + 1
-        stop = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=self.device)
-        for step in range(sampling.max_new_tokens):
-            tok, lp = sample_tokens(logits, sampling, gen)
-            done = torch.isin(tok, stop) if len(stop) else torch.zeros_like(tok, dtype=torch.bool)
-            for r, t, l in zip(alive.tolist(), tok.tolist(), lp.tolist()):
-                if l != l:  # NaN: this row's logits were not finite
-                    raise FloatingPointError(f"generator: non-finite logits at weight version {version} "
-                                             "(the published weights overflow: lower the learning rate?)")
-                tokens[r].append(t)
-                logps[r].append(l)
-                versions[r][0], versions[r][1] = min(versions[r][0], version), max(versions[r][1], version)
-            for r in alive[done.cpu()].tolist():
-                finish[r] = "stop"
-            keep = ~done.cpu()
-            if step + 1 == sampling.max_new_tokens or not keep.any():
-                break
-            if self._abort.is_set():
-                for r in alive[keep].tolist():
-                    finish[r] = "abort"
-                break
-            if not keep.all():  # drop finished rows: later steps do no work for them
-                cache.keep(keep.nonzero()[:, 0].to(self.device))
-                alive, tok, next_pos = alive[keep], tok[keep.to(self.device)], next_pos[keep.to(self.device)]
-            with self.lock:
-                logits = self.model(tok[:, None], position_ids=next_pos[:, None], cache=cache)[:, -1]
-                version = self.version
-            next_pos = next_pos + 1
-        return [Completion(tokens[i], logps[i], finish[i] or "length", tuple(versions[i])) for i in range(B)]
+        if {(s.temperature, s.top_p, tuple(s.stop_token_ids)) for s in per}.__len__() > 1:
+            raise ValueError("one call's SamplingParams may differ in max_new_tokens only")
+        rng = random.Random(seed)  # seed None: fresh noise per call, from torch's RNG
+        base = rng.getrandbits(32) if seed is not None else int(torch.randint(0, 2**32, ()))
+        salts = _mix32(torch.arange(len(prompts))).tolist()  # one hash per request, in one op (not one each)
+        reqs = [_Request(i, list(p), s.max_new_tokens, base ^ salt)
+                for i, (p, s, salt) in enumerate(zip(prompts, per, salts))]
+        with self.call_lock:
+            self._open(reqs, per[0] if per else SamplingParams())
+            try:
+                while self.waiting or self.reqs or self.landing or self.finished:
+                    yield from self._iteration()
+            finally:
+                self._close()
 
     @torch.no_grad()
     def update_weights(self, named_tensors, version: int):
         """Copy new weights in place (names as in model.named_parameters()); takes effect at the next
-        decode step of any in-flight batch."""
+        forward of the call in flight."""
         with self.lock:
             for name, t in named_tensors:
                 if name not in self._params:
@@ -184,11 +215,236 @@ class TorchEngine:
             self.version = version
 
     def abort(self):
-        """Make in-flight generate calls return now (finish_reason "abort"); clear with resume()."""
+        """Make in-flight calls return now (finish_reason "abort"); clear with resume()."""
         self._abort.set()
 
     def resume(self):
         self._abort.clear()
+
+    # ------------------------------------------------------------------------- a call's state
+
+    def _open(self, reqs, sampling):
+        self.sampling, self.waiting, self.landing, self.finished = sampling, collections.deque(reqs), [], []
+        self.kv_version = self.version  # the weights the running rows' KV was computed with (reprefill)
+        longest = max((len(r.prompt) + r.max_new for r in reqs), default=1)
+        blocks = -(-longest // BLOCK_SIZE)
+        need = self.max_batch * blocks if self.kv_tokens is None else -(-self.kv_tokens // BLOCK_SIZE)
+        if self.kv_tokens is not None and blocks > need:
+            raise ValueError(f"rollout.kv_cache_tokens ({self.kv_tokens}) cannot hold one sequence of {longest} tokens")
+        if self.pool is None or self.pool.num_blocks < need:
+            self.pool = None  # free the old pool first
+            self.pool = PagedKVCache(self.model.cfg, need, BLOCK_SIZE, self.device, self.dtype)
+        self.pool.free = list(range(self.pool.num_blocks - 1, -1, -1))
+        dev, B, W = self.device, self.max_batch, max((r.max_new for r in reqs), default=1)
+        # Token buffers: row b of the batch writes its j-th token since admission at out_*[buf[b], j].
+        self.out_tok = torch.zeros(B, W, dtype=torch.long, device=dev)
+        self.out_lp = torch.zeros(B, W, dtype=torch.float32, device=dev)
+        self.free_bufs = list(range(B - 1, -1, -1))
+        self.stop = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
+        self.max_blocks = blocks
+        self.reqs = []  # the running rows' requests, in batch order
+        long = dict(dtype=torch.long, device=dev)
+        # Running rows, on the device: next token to feed, its position (= tokens in the KV cache), tokens
+        # sampled since admission, how many it may still sample, noise seed, tokens before admission (its
+        # sampling step offset), token-buffer row, status (0 running, 1 done, 2 non-finite logits), blocks.
+        self.last, self.pos, self.ngen, self.left = (torch.zeros(0, **long) for _ in range(4))
+        self.seeds, self.base, self.buf = (torch.zeros(0, **long) for _ in range(3))
+        self.status = torch.zeros(0, dtype=torch.long, device=dev)
+        self.table = torch.zeros(0, blocks, **long)
+        self.host_pos = torch.zeros(0, dtype=torch.long)  # = pos, kept on the host for block bookkeeping
+
+    def _close(self):
+        self.waiting, self.reqs, self.landing, self.finished = collections.deque(), [], [], []
+        self.out_tok = self.out_lp = self.table = None
+
+    _ROW_STATE = ("last", "pos", "ngen", "left", "seeds", "base", "buf", "status", "table")
+
+    def _keep_rows(self, keep: list[int]):
+        """Compact the running rows to `keep` (batch indices), in that order."""
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.host_pos = self.host_pos[idx]
+        idx = idx.to(self.device)
+        for name in self._ROW_STATE:
+            setattr(self, name, getattr(self, name)[idx])
+        self.reqs = [self.reqs[i] for i in keep]
+
+    def _release(self, rows: list[int], finish: str | None, host):
+        """Take rows out of the batch: their tokens since admission (host: [2, B] status and ngen as read)
+        join their requests' lists; finished ones (finish set) are yielded, the others (retracted) go back
+        to the front of the queue. Blocks and buffer rows are free at once."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        bufs = self.buf[idx]
+        snap = (self.out_tok[bufs].to("cpu", non_blocking=True), self.out_lp[bufs].to("cpu", non_blocking=True))
+        batch = []
+        for j, b in enumerate(rows):
+            r = self.reqs[b]
+            self.pool.free += reversed(r.blocks)
+            r.blocks = []
+            self.free_bufs.append(int(host[2][b]))
+            batch.append((r, int(host[1][b])))
+            r.versions[1] = max(r.versions[1], self.step_version)
+        self.landing.append((batch, snap, finish))
+        self._keep_rows([b for b in range(len(self.reqs)) if b not in set(rows)])
+
+    def _land(self, wait=False):
+        """Released rows' tokens have arrived (after a host sync, or wait=True): they join their requests,
+        finished requests go to self.finished, retracted ones back to the front of the queue."""
+        if wait and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        keep = []
+        for batch, (tok, lp), finish in self.landing:
+            for j, (r, n) in enumerate(batch):
+                r.tokens += tok[j, :n].tolist()
+                r.logprobs += lp[j, :n].tolist()
+                if finish is None:  # retracted: back to the queue, oldest first
+                    keep.append(r)
+                else:
+                    r.finish = finish if finish != "done" else ("stop" if r.tokens[-1:] and r.tokens[-1] in
+                                                                 self.sampling.stop_token_ids else "length")
+                    self.finished.append(r)
+        self.waiting.extendleft(reversed(keep))
+        self.landing = []
+
+    def _read(self):
+        """The iteration's one device-to-host transfer: [3, B] status, tokens since admission, buffer row.
+        (It waits for the device, so the tokens released by the iteration before have landed too.)"""
+        if not self.reqs:
+            self._land(wait=True)
+            return [[], [], []]
+        return torch.stack((self.status, self.ngen, self.buf)).cpu().tolist()
+
+    # ------------------------------------------------------------------------- one iteration
+
+    def _iteration(self):
+        self.stats["iterations"] += 1
+        if self._abort.is_set():  # every request of the call returns now, with what it has
+            self._release(list(range(len(self.reqs))), "abort", self._read())
+            self._land(wait=True)
+            for r in self.waiting:
+                r.finish, r.versions = "abort", r.versions or [self.version, self.version]
+            self.finished += self.waiting
+            self.waiting = collections.deque()
+        else:
+            self._step()
+        finished, self.finished = self.finished, []
+        for r in finished:
+            yield r.index, r.completion()
+
+    def _step(self):
+        self.step_version = self.version
+        if self.reprefill and self.reqs and self.kv_version != self.version:
+            self._retract(len(self.reqs))  # prefilled again below, under the new weights
+            self.kv_version = self.version
+        self._grow()
+        new = self._admit()
+        if new:
+            self._prefill(new)
+        if self.reqs:
+            self._decode()
+        host = self._read()
+        if 2 in host[0]:
+            raise FloatingPointError(f"generator: non-finite logits at weight version {self.step_version} "
+                                     "(the published weights overflow: lower the learning rate?)")
+        self._land()  # what the last iteration released has arrived: the read above waited for it
+        done = [b for b, s in enumerate(host[0]) if s]
+        if done:
+            self._release(done, "done", host)
+
+    def _retract(self, n: int):
+        """Send the newest n running rows back to the queue (their blocks are freed; tokens kept)."""
+        self.stats["retracted"] += n
+        self._release(list(range(len(self.reqs) - n, len(self.reqs))), None, self._read())
+        self._land(wait=True)  # they are back in the queue now
+
+    def _grow(self):
+        """A block for every running row whose next token starts one; retract the newest rows if short."""
+        need = (self.host_pos % BLOCK_SIZE == 0).nonzero()[:, 0].tolist()
+        while len(need) > len(self.pool.free):
+            self._retract(1)
+            need = [b for b in need if b < len(self.reqs)]
+        if need:
+            blocks = [self.pool.free.pop() for _ in need]
+            for b, blk in zip(need, blocks):
+                self.reqs[b].blocks.append(blk)
+            rows = torch.tensor(need, dtype=torch.long)
+            cols = self.host_pos[rows] // BLOCK_SIZE
+            self.table[rows.to(self.device), cols.to(self.device)] = torch.tensor(blocks, device=self.device)
+
+    def _admit(self):
+        """Waiting requests that fit now, oldest first: a free row, blocks for their context and first
+        decoded token plus one spare block per running row (to grow into), and the prefill budget."""
+        new, tokens = [], 0
+        while self.waiting and len(self.reqs) + len(new) < self.max_batch:
+            r = self.waiting[0]
+            ctx = len(r.prompt) + len(r.tokens)
+            blocks = ctx // BLOCK_SIZE + 1
+            if new and tokens + ctx > PREFILL_TOKENS or blocks + len(self.reqs) + len(new) > len(self.pool.free) and (new or self.reqs):
+                break
+            self.waiting.popleft()
+            r.blocks = [self.pool.free.pop() for _ in range(blocks)]
+            r.versions = r.versions or [self.version, self.version]
+            new.append(r)
+            tokens += ctx
+        return new
+
+    def _prefill(self, new):
+        """Prefill the admitted requests as one packed row, sample their first token, add their rows."""
+        self.stats["prefills"] += 1
+        ctxs = [r.prompt + r.tokens for r in new]
+        # Host lists, one tensor each (a tensor per request would cost more than the tiny model's prefill):
+        # token ids, positions restarting at 0 per sequence, and the pool slot of each token [T]
+        ids = torch.tensor([t for c in ctxs for t in c], device=self.device)
+        pos = torch.tensor([p for c in ctxs for p in range(len(c))])
+        slots = torch.tensor([r.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                              for r, c in zip(new, ctxs) for p in range(len(c))])
+        ends = torch.tensor(list(itertools.accumulate(len(c) for c in ctxs))) - 1  # each one's last token
+        self.pool.slots, self.pool.keys = slots.to(self.device), None
+        with self.lock:
+            hidden = self.model(ids[None], position_ids=pos.to(self.device)[None], cache=self.pool, return_hidden=True)
+            logits = self.model.lm_head(hidden[0, ends.to(self.device)])
+            self.step_version = self.version
+        dev, n = self.device, len(new)
+        seeds = torch.tensor([r.seed for r in new], device=dev)
+        base = torch.tensor([len(r.tokens) for r in new], device=dev)
+        left = torch.tensor([r.max_new - len(r.tokens) for r in new], device=dev)
+        tok, lp = sample_tokens(logits, self.sampling, sample_keys(seeds, base))
+        buf = torch.tensor([self.free_bufs.pop() for _ in new], device=dev)
+        self.out_tok[buf, 0], self.out_lp[buf, 0] = tok, lp
+        table = torch.tensor([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in new], dtype=torch.long)
+        ones = torch.ones(n, dtype=torch.long, device=dev)
+        state = dict(last=tok, pos=torch.tensor([len(c) for c in ctxs], device=dev), ngen=ones, left=left,
+                     seeds=seeds, base=base, buf=buf, status=self._status(tok, lp, ones, left), table=table.to(dev))
+        for name in self._ROW_STATE:
+            setattr(self, name, torch.cat((getattr(self, name), state[name])))
+        self.host_pos = torch.cat((self.host_pos, torch.tensor([len(c) for c in ctxs])))
+        self.reqs += new
+
+    def _status(self, tok, lp, ngen, left):
+        done = (ngen >= left) | (torch.isin(tok, self.stop) if len(self.stop) else False)
+        return torch.where(lp.isnan(), 2, done.long())
+
+    def _decode(self):
+        """One token for every running row. Rows already done (a first token that was a stop) ride along
+        until the read; they sample, but nothing is recorded for them."""
+        Lk = int(self.host_pos.max()) + 1
+        p = torch.arange(Lk, device=self.device)[None] - (Lk - 1) + self.pos[:, None]  # [B, Lk]: key positions, left-padded
+        valid = p >= 0
+        p = p.clamp_min(0)
+        keys = self.table.gather(1, p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE
+        self.pool.keys, self.pool.key_valid, self.pool.slots = keys, valid, keys[:, -1]
+        with self.lock:
+            logits = self.model(self.last[:, None], position_ids=self.pos[:, None], cache=self.pool)[:, -1]
+            self.step_version = self.version
+        self.pool.keys = None
+        tok, lp = sample_tokens(logits, self.sampling, sample_keys(self.seeds, self.base + self.ngen))
+        live = self.status == 0
+        col = self.ngen.clamp_max(self.out_tok.shape[1] - 1)
+        self.out_tok[self.buf, col] = torch.where(live, tok, self.out_tok[self.buf, col])
+        self.out_lp[self.buf, col] = torch.where(live, lp, self.out_lp[self.buf, col])
+        self.ngen = self.ngen + live.long()
+        self.status = torch.where(live, self._status(tok, lp, self.ngen, self.left), self.status)
+        self.last, self.pos = tok, self.pos + 1
+        self.host_pos = self.host_pos + 1
 
 
 # ----------------------------------------------------------------------------- the SGLang engine
@@ -580,4 +836,6 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int):
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
                             mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None)
     model = GLM.from_pretrained(model_dir, dsa=dsa, device=device)
-    return TorchEngine(model, max_batch=rollout.max_batch)  # when weights land is the Generator's choice
+    # when weights land is the Generator's choice; what rows in flight then do, the engine's
+    return TorchEngine(model, max_batch=rollout.max_batch, kv_tokens=rollout.kv_cache_tokens,
+                       reprefill=rollout.update_mode == "reprefill")

@@ -1,17 +1,13 @@
 """
-Asynchronous vs synchronous RL, and the embedded engine's generation speed. Writes two tables into
-docs/benchmarks.md.
+Asynchronous vs synchronous RL. Writes its table into docs/benchmarks.md (the engine's generation speed
+is bench/engine.py's).
 
-    python bench/async.py                 # both parts (a few minutes on 2 CPU cores)
-    python bench/async.py --part engine   # only the generation throughput
+    python bench/async.py                 # a few minutes on 2 CPU cores
 
-1. `rl`: the tiny default run (configs/tiny_cpu.yaml) with `rollout.max_staleness` 0 (synchronous: the
+`rl`: the tiny default run (configs/tiny_cpu.yaml) with `rollout.max_staleness` 0 (synchronous: the
    generator waits for every update) and 1 (one step off-policy: the next batch is generated while the
    learner trains), same seed and steps, run one after the other: wall-clock per RL step, and the
    fraction of time the generator and the learner each sat idle waiting for the other.
-2. `engine`: tokens/s of TorchEngine.generate against transformers' `generate` on the same dense
-   model (ours saved, loaded into Glm4ForCausalLM), the same left-padded batch and the same number of
-   new tokens (no early stop), sampling at temperature 1.
 """
 import argparse
 import json
@@ -27,8 +23,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
-from model import GLM, GLMConfig  # noqa: E402
-from rollout import SamplingParams, TorchEngine  # noqa: E402
 
 
 def rl_part(steps, config):
@@ -69,85 +63,17 @@ def rl_part(steps, config):
     ] + [f"| {s} | {n} | {t:.2f} | {g:.0%} | {l:.0%} |" for s, n, t, g, l in rows])
 
 
-def engine_part(batch, new_tokens, repeat):
-    from transformers import Glm4ForCausalLM
-
-    torch.manual_seed(0)
-    cfg = GLMConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
-                    num_kv_heads=2, head_dim=32, max_position_embeddings=1024)
-    ours = GLM(cfg).eval()
-    with tempfile.TemporaryDirectory() as d:
-        ours.save_pretrained(d)
-        hf = Glm4ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
-    g = torch.Generator().manual_seed(1)
-    lens = torch.randint(8, 33, (batch,), generator=g).tolist()
-    prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
-    P = max(lens)
-    ids = torch.zeros(batch, P, dtype=torch.long)
-    mask = torch.zeros(batch, P, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), 1
-    engine = TorchEngine(ours, max_batch=batch)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-
-    def run_ours():
-        out = engine.generate(prompts, sampling, seed=0)
-        assert all(len(c.token_ids) == new_tokens for c in out)
-
-    def run_hf():
-        with torch.no_grad():
-            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
-                              top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                              eos_token_id=None, output_scores=True, return_dict_in_generate=True)
-        assert out.sequences.shape[1] == P + new_tokens
-
-    times = {}
-    for name, fn in (("ours", run_ours), ("hf", run_hf)):
-        fn()  # warm-up
-        ts = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        times[name] = statistics.median(ts)
-        print(f"{name}: {batch * new_tokens / times[name]:.0f} tokens/s", flush=True)
-    tok = batch * new_tokens
-    return "\n".join([
-        f"### Generation throughput, TorchEngine vs transformers generate ({machine(torch.device('cpu'))})",
-        "",
-        f"Command: `python bench/async.py --part engine`. Dense GLM, 4 layers, hidden 256, 8 heads (2 KV), "
-        f"vocab 512, float32; {batch} left-padded prompts of 8-32 tokens, {new_tokens} new tokens each "
-        f"(no early stop), temperature 1, per-token scores returned by both; median of {repeat}. "
-        f"TorchEngine is {times['hf'] / times['ours']:.2f}x transformers' speed.",
-        "",
-        "| engine | s / batch | new tokens / s |",
-        "|---|---:|---:|",
-        f"| TorchEngine (rollout.py) | {times['ours']:.2f} | {tok / times['ours']:.0f} |",
-        f"| transformers `generate` | {times['hf']:.2f} | {tok / times['hf']:.0f} |",
-    ])
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["all", "rl", "engine"], default="all")
+    ap.add_argument("--part", choices=["rl"], default="rl")
     ap.add_argument("--config", default="configs/tiny_cpu.yaml")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default="docs/benchmarks.md")
     args = ap.parse_args()
-    if args.part in ("all", "rl"):
-        table = rl_part(args.steps, args.config)
-        print(table)
-        if args.out:
-            write_section(os.path.join(ROOT, args.out), "async-rl", table)
-    if args.part in ("all", "engine"):
-        table = engine_part(args.batch, args.new_tokens, args.repeat)
-        print(table)
-        if args.out:
-            write_section(os.path.join(ROOT, args.out), "engine-throughput", table)
-
+    table = rl_part(args.steps, args.config)
+    print(table)
+    if args.out:
+        write_section(os.path.join(ROOT, args.out), "async-rl", table)
 
 if __name__ == "__main__":
     main()

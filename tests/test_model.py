@@ -11,7 +11,7 @@ from transformers import Glm4Config, Glm4ForCausalLM
 
 from dsa import DSAConfig
 import model
-from model import GLM, GLMConfig, KVCache, memory_plan
+from model import GLM, GLMConfig, KVCache, PagedKVCache, memory_plan
 
 # (heads, kv heads, head_dim, rotary fraction, layers): different GQA groupings and rotary fractions.
 CONFIGS = [(4, 2, 16, 0.5, 2), (4, 4, 8, 1.0, 1), (6, 1, 16, 0.25, 3), (8, 2, 12, 0.5, 2)]
@@ -244,13 +244,13 @@ NINE_B = GLMConfig(vocab_size=151552, hidden_size=4096, intermediate_size=13696,
                    num_kv_heads=2, head_dim=128)  # GLM-Z1-9B-0414
 RECIPE = dict(learner_gpus=4, parallel="fsdp", micro_batch_tokens=16384, gradient_checkpointing=True,
               trainable_indexer=False, reference=False, generator_batch=128, generator_max_len=1024 + 16384,
-              prompt_len=1024, engine="torch")
+              max_new_tokens=16384, engine="torch")
 H100 = 80e9  # "80 GB" in bytes = 74.5 GiB (nvidia-smi shows 79.6 GiB: this is the cautious side)
 
 
 def tiny_plan(**kw):
     args = dict(learner_gpus=2, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
-                trainable_indexer=False, reference=False, generator_batch=3, generator_max_len=40, prompt_len=10,
+                trainable_indexer=False, reference=False, generator_batch=3, generator_max_len=40, max_new_tokens=30,
                 engine="torch")
     return memory_plan(TINY, **(args | kw))
 
@@ -267,7 +267,7 @@ def hand_counts(c: GLMConfig):
 
 def test_memory_plan_counts_parameters_exactly():
     for cfg in (TINY, replace(TINY, dsa=None), replace(TINY, dsa=None, tie_word_embeddings=True)):
-        plan = memory_plan(cfg, **(RECIPE | {"generator_batch": 2, "generator_max_len": 8, "prompt_len": 4}))
+        plan = memory_plan(cfg, **(RECIPE | {"generator_batch": 2, "generator_max_len": 8, "max_new_tokens": 4}))
         assert plan.params == sum(p.numel() for p in GLM(cfg).parameters())
     assert tiny_plan().params == hand_counts(TINY)[0]
 
@@ -288,12 +288,15 @@ def test_memory_plan_items_against_hand_formulas():
     gen = dict(tiny_plan().generator)
     fp32_indexer = 2 * (2 * 8 + 48 * 2)  # k_norm [8] x2 and weights_proj [2, 48] on the 2 F layers
     assert gen["bf16 weights (indexer weights_proj, k_norm fp32)"] == 2 * P + 2 * fp32_indexer
-    # KV cache: keys + values [3, 40, 2, 16] on 3 layers, indexer keys [3, 40, 8] on the 2 F layers, key mask
+    # KV pool of 3 x 40 = 120 slots: keys + values [120, 2, 16] on 3 layers, indexer keys [120, 8] on the 2 F layers
     bf16 = 2
-    kv = bf16 * 2 * 3 * (3 * 40 * 2 * 16) + bf16 * 2 * (3 * 40 * 8) + 3 * 40
-    cache = KVCache(TINY, 3, 40, dtype=torch.bfloat16)  # and what KVCache really allocates
-    real = sum(t.numel() * t.element_size() for t in cache.k + cache.v + [t for t in cache.index_k if t is not None])
-    assert gen["KV cache bf16, 3 x 40 slots (rollout and eval, one at a time)"] == kv == real + cache.key_mask.numel()
+    kv = bf16 * 2 * 3 * (120 * 2 * 16) + bf16 * 2 * (120 * 8)
+    pool = PagedKVCache(TINY, 120 // 8, 8, dtype=torch.bfloat16)  # and what PagedKVCache really allocates
+    real = sum(t.numel() * t.element_size() for t in pool.k + pool.v + [t for t in pool.index_k if t is not None])
+    assert gen["paged KV pool bf16, 120 token slots (rollout and eval, one at a time)"] == kv == real
+    assert dict(tiny_plan(kv_cache_tokens=64).generator)["paged KV pool bf16, 64 token slots (rollout and eval, one at a time)"] == kv * 64 // 120
+    # rows: block tables [3, 40 // 16 + 1] int64, tokens + logprobs [3, 30], a step's key slots and valid [3, 40]
+    assert gen["3 rows: block tables, tokens + logprobs, a step's key slots"] == 3 * 3 * 8 + 3 * 30 * 12 + 3 * 40 * 9
     plan = tiny_plan()
     assert plan.learner_bytes() == sum(fsdp.values()) and plan.generator_bytes() == sum(gen.values())
 
@@ -312,10 +315,13 @@ def test_memory_plan_9b_recipe_on_h100():
     assert 9.3e9 < plan.params < 9.5e9
     assert plan.learner_bytes() < H100 - 15 * 2**30  # FSDP over 4, 16K-token micro-batches: ~56 GiB, room to spare
     assert not any(p.startswith("learner") for p in plan.problems(H100))
-    # Our engine preallocates batch x max_len slots: 128 x 17408 x 40 KiB = 85 GiB of KV cache alone.
-    assert dict(plan.generator)["KV cache bf16, 128 x 17408 slots (rollout and eval, one at a time)"] == 128 * 17408 * (40 * 2 * 2 * 128 * 2 + 1)
-    assert any("rollout.max_batch" in p for p in plan.problems(H100))
+    # Without a budget the pool holds every row at full length: 128 x 17408 x 40 KiB = 85 GiB of KV alone.
+    assert dict(plan.generator)["paged KV pool bf16, 2228224 token slots (rollout and eval, one at a time)"] == 128 * 17408 * (40 * 2 * 2 * 128 * 2)
+    assert any("rollout.kv_cache_tokens" in p for p in plan.problems(H100))
     assert memory_plan(NINE_B, **(RECIPE | {"generator_batch": 32})).problems(H100) == []
+    # The recipe's budget: 256 rows share 2^20 slots (40 GiB), rows taking blocks as they grow
+    budget = memory_plan(NINE_B, **(RECIPE | {"generator_batch": 256, "kv_cache_tokens": 2**20}))
+    assert budget.problems(H100) == [] and 60 * 2**30 < budget.generator_bytes() < 74.5 * 2**30
     assert "fits" in plan.text(H100) and "does NOT fit" in plan.text(H100)
     ddp = memory_plan(NINE_B, **(RECIPE | {"parallel": "ddp", "generator_batch": 32}))
     assert ddp.learner_bytes() > 2 * H100  # full fp32 weights, grads, buckets and AdamW state: ~200 GiB

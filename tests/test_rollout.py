@@ -30,16 +30,41 @@ def tiny_model(dsa=None, seed=0):
     return m
 
 
+def keys(n, step=0):
+    return rollout.sample_keys(torch.arange(n) * 7919 % 2**32, torch.full((n,), step))
+
+
 def test_sample_tokens_logprobs_and_top_p():
     logits = torch.randn(5, 40) * 3
-    tok, lp = sample_tokens(logits, SamplingParams(temperature=0.7), torch.Generator().manual_seed(0))
+    tok, lp = sample_tokens(logits, SamplingParams(temperature=0.7), keys(5))
     ref = (logits.double() / 0.7).log_softmax(-1).gather(-1, tok[:, None])[:, 0]
     assert torch.allclose(lp.double(), ref, atol=1e-5)
     # top_p so small that only the most likely token survives
-    tok, _ = sample_tokens(logits, SamplingParams(temperature=1.0, top_p=1e-6), torch.Generator().manual_seed(0))
+    tok, _ = sample_tokens(logits, SamplingParams(temperature=1.0, top_p=1e-6), keys(5))
     assert torch.equal(tok, logits.argmax(-1))
-    tok, lp = sample_tokens(logits, SamplingParams(temperature=0))
+    tok, lp = sample_tokens(logits, SamplingParams(temperature=0), keys(5))
     assert torch.equal(tok, logits.argmax(-1))
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_hashed_gumbel_sampling_draws_from_the_tempered_distribution(top_p):
+    """Token frequencies over 40000 keys (rows x steps) match softmax(logits / T), renormalised over the
+    top-p set when truncated (float64 reference), within 5 standard errors; and a key always draws the same."""
+    logits = torch.randn(1, 12) * 2
+    p = (logits[0].double() / 1.5).softmax(-1)
+    if top_p < 1:
+        sp, order = p.sort(descending=True)
+        p = torch.zeros_like(p).scatter(0, order, sp * (sp.cumsum(0) - sp <= top_p))
+        p = p / p.sum()
+    sampling = SamplingParams(temperature=1.5, top_p=top_p)
+    counts = torch.zeros(12, dtype=torch.float64)
+    for step in range(4):
+        tok, _ = sample_tokens(logits.expand(10000, 12), sampling, keys(10000, step))
+        counts += torch.bincount(tok, minlength=12)
+    freq, se = counts / 40000, (p * (1 - p) / 40000).sqrt()
+    assert ((freq - p).abs() <= 5 * se + 1e-12).all(), (freq, p)
+    assert torch.equal(sample_tokens(logits.expand(3, 12), sampling, keys(3, 9))[0],
+                       sample_tokens(logits.expand(3, 12), sampling, keys(3, 9))[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -48,20 +73,43 @@ def test_greedy_generation_matches_full_forward_reference(dsa, dtype):
     """Batched, left-padded, cached decoding (with DSA: sparse decode beyond top-k) gives the tokens and
     logprobs a naive loop of full forwards without a cache gives, row by row; also in bf16 weights, as
     the generator runs on a GPU (the same bf16 model on both sides)."""
-    model = tiny_model(dsa).eval().cast_(dtype)
-    engine = TorchEngine(model, max_batch=2)  # 3 prompts -> two batches
-    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]]
-    outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8))
-    for p, out in zip(prompts, outs):
-        ids, lps = list(p), []
+    model = tiny_model(dsa).eval().to(dtype)
+    engine = TorchEngine(model, max_batch=2)  # 5 requests, 2 rows: finished rows are refilled
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12], [1] * 17, [7]]
+    lengths = [8, 3, 6, 5, 20]  # the last one crosses a KV block boundary
+    outs = engine.generate(prompts, [SamplingParams(temperature=0, max_new_tokens=n) for n in lengths])
+    ref_model, tol = tiny_model(dsa).double(), (1e-6 if dtype == torch.float32 else 6e-2)
+    if dtype != torch.float32:  # the float64 reference holds the bf16-rounded weights
+        ref_model.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    for p, n, out in zip(prompts, lengths, outs):
+        assert out.finish_reason == "length" and out.versions == (0, 0) and len(out.token_ids) == n
+        # The reference: float64 full forwards, fed the engine's tokens (a naive loop, when they agree)
         with torch.no_grad():
-            for _ in range(8):
-                logp = model(torch.tensor([ids]))[0, -1].log_softmax(-1)
-                ids.append(int(logp.argmax()))
-                lps.append(float(logp.max()))
-        assert out.token_ids == ids[len(p):]
-        assert out.logprobs == pytest.approx(lps, abs=1e-4 if dtype == torch.float32 else 3e-2)
-        assert out.finish_reason == "length" and out.versions == (0, 0)
+            logp = ref_model(torch.tensor([p + out.token_ids]))[0, len(p) - 1:-1].log_softmax(-1)  # [n, V]
+        chosen = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        # greedy: the engine's token is the reference's argmax, up to ties within the dtype's rounding
+        assert (logp.max(-1).values - chosen <= tol).all(), (logp.max(-1).values - chosen)
+        assert out.logprobs == pytest.approx(chosen.tolist(), abs=1e-5 if dtype == torch.float32 else 6e-2)
+    assert engine.stats["prefills"] >= 3  # requests were admitted as rows freed up
+    assert len(engine.pool.free) == engine.pool.num_blocks  # every block is back
+
+
+def test_blocks_run_out_rows_are_retracted_and_continue_exactly():
+    """A pool too small for every row at once: the newest rows are retracted (blocks freed) and prefilled
+    again later from prompt + tokens so far; tokens and logprobs equal those of an unconstrained engine,
+    greedy and sampled (the noise depends on the request and step only)."""
+    model = tiny_model({"topk": 3, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
+    prompts = [[5, 6, 7], [3, 4], [10, 11, 12, 13], [9, 8]] * 2
+    for sampling in (SamplingParams(temperature=0, max_new_tokens=40), SamplingParams(temperature=1.0, max_new_tokens=40)):
+        free = TorchEngine(model, max_batch=8).generate(prompts, sampling, seed=3)
+        tight = TorchEngine(model, max_batch=8, kv_tokens=8 * rollout.BLOCK_SIZE)
+        outs = tight.generate(prompts, sampling, seed=3)
+        assert tight.stats["retracted"] > 0 and len(tight.pool.free) == tight.pool.num_blocks
+        assert [c.token_ids for c in outs] == [c.token_ids for c in free]
+        for a, b in zip(outs, free):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    with pytest.raises(ValueError, match="kv_cache_tokens"):
+        tight.generate([[1] * 200], SamplingParams(max_new_tokens=1))
 
 
 def test_stop_tokens_end_rows_independently():
@@ -78,11 +126,12 @@ def test_stop_tokens_end_rows_independently():
 
 
 def test_sampling_is_reproducible_with_a_seed():
-    engine = TorchEngine(tiny_model())
+    """Same seed, same tokens, whatever the batch composition (max_batch 1 or 6); another seed differs."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=6)
-    a = engine.generate([[1, 2], [3]] * 3, sp, seed=11)
-    b = engine.generate([[1, 2], [3]] * 3, sp, seed=11)
-    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    a = TorchEngine(tiny_model()).generate([[1, 2], [3]] * 3, sp, seed=11)
+    b = TorchEngine(tiny_model(), max_batch=1).generate([[1, 2], [3]] * 3, sp, seed=11)
+    c = TorchEngine(tiny_model()).generate([[1, 2], [3]] * 3, sp, seed=12)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b] != [x.token_ids for x in c]
 
 
 def slow(engine, delay=0.02):
@@ -106,6 +155,25 @@ def test_weight_update_lands_between_decode_steps():
     assert torch.equal(old.lm_head.weight, new.lm_head.weight)  # copied in place
     for c in result["out"]:
         assert c.versions == (0, 1) and c.finish_reason == "length" and len(c.token_ids) == 30
+
+
+@pytest.mark.parametrize("reprefill", [False, True])
+def test_weight_update_keeps_kv_or_reprefills(reprefill):
+    """An update to the very same weights mid-generation: keeping the KV or prefilling every running row
+    again under the "new" weights must give exactly the greedy tokens of an undisturbed run."""
+    model = tiny_model()
+    sp = SamplingParams(temperature=0, max_new_tokens=30)
+    ref = TorchEngine(tiny_model()).generate([[1, 2, 3], [4, 5]], sp)
+    engine = slow(TorchEngine(model, reprefill=reprefill))
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=engine.generate([[1, 2, 3], [4, 5]], sp)))
+    t.start()
+    time.sleep(0.15)
+    engine.update_weights(((n, p.detach().clone()) for n, p in model.named_parameters()), version=1)
+    t.join()
+    assert [c.token_ids for c in result["out"]] == [c.token_ids for c in ref]
+    assert all(c.versions == (0, 1) for c in result["out"])
+    assert (engine.stats["retracted"] > 0) == reprefill
 
 
 def make_generator(max_staleness, reward_fn=None, dynamic=False, n=2, engine=None):
@@ -230,7 +298,7 @@ def test_non_finite_weights_stop_the_generator_with_one_line():
     logits = torch.randn(3, 40)
     logits[1, 5] = float("nan")
     logits[2, 7] = float("inf")
-    tok, lp = sample_tokens(logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    tok, lp = sample_tokens(logits, SamplingParams(temperature=1.0), keys(3))
     assert torch.isfinite(lp[0]) and lp[1:].isnan().all()  # reported, no multinomial crash
     tok = make_tiny_tokenizer()
     model = tiny_model_for(tok)
@@ -243,31 +311,35 @@ def test_non_finite_weights_stop_the_generator_with_one_line():
     gen.stop()
 
 
-def test_engine_runs_one_batch_and_one_kv_cache_at_a_time():
-    """Eval (learner thread) and rollouts (generator thread) share the engine: they take turns batch by
-    batch, so the GPU never holds two KV caches, which the memory plan counts once."""
+def test_engine_runs_one_call_at_a_time_in_one_pool():
+    """Eval (learner thread) and rollouts (generator thread) share the engine: their calls take turns in
+    one KV pool (the memory plan counts one), and a call's rows never depend on another call's timing."""
     engine = slow(TorchEngine(tiny_model(), max_batch=2), delay=0.005)
     live, peak, lock = [0], [0], threading.Lock()
-    inner = engine._generate_batch
+    inner = engine._open
 
-    def counted(*a):
+    pools = set()
+
+    def counted(*a):  # a call opens ...
         with lock:
             live[0] += 1
             peak[0] = max(peak[0], live[0])
-        try:
-            time.sleep(0.01)
-            return inner(*a)
-        finally:
-            with lock:
-                live[0] -= 1
-    engine._generate_batch = counted
+        inner(*a)
+        pools.add(id(engine.pool))
+    close = engine._close
+
+    def closed():  # ... and closes
+        with lock:
+            live[0] -= 1
+        close()
+    engine._open, engine._close = counted, closed
     threads = [threading.Thread(target=engine.generate, args=([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=6)))
                for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert peak[0] == 1
+    assert peak[0] == 1 and len(pools) == 1
 
 
 def test_evaluate_reports_accuracy_and_pass_at_k():
