@@ -676,4 +676,5 @@ if __name__ == "__main__":  # the torchrun worker of test_two_processes_match_on
     weights = rl_steps_on_fixed_batch(sys.argv[2], sys.argv[3])
     if parallel.rank() == 0:
         torch.save(weights, sys.argv[1])
+    torch.distributed.barrier()  # neither rank tears gloo down while the other still uses it
     torch.distributed.destroy_process_group()
