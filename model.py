@@ -21,7 +21,6 @@ Checkpoints are Hugging Face directories (config.json + *.safetensors, sharded o
 written with transformers' parameter names, so a saved model loads in `Glm4ForCausalLM` and back.
 """
 import json
-import math
 import os
 import shutil
 from dataclasses import asdict, dataclass, field, replace
@@ -366,7 +365,6 @@ class Attention(nn.Module):
             if index is not None and indexer_loss is not None:
                 kl = dsa.dense_indexer_kl(*index, q, k, mask, scale)
         return out, selected, kl
-
 
     def index(self, x, rope, indexer_loss=None):
         """The indexer's q [B, T, H_I, d_I], k [B, T, d_I] (both after RoPE) and w [B, T, H_I]. It sees a

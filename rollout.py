@@ -186,7 +186,7 @@ class TorchEngine:
             raise ValueError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("cannot generate from an empty prompt")
-        if {(s.temperature, s.top_p, tuple(s.stop_token_ids)) for s in per}.__len__() > 1:
+        if len({(s.temperature, s.top_p, tuple(s.stop_token_ids)) for s in per}) > 1:
             raise ValueError("one call's SamplingParams may differ in max_new_tokens only")
         rng = random.Random(seed)  # seed None: fresh noise per call, from torch's RNG
         base = rng.getrandbits(32) if seed is not None else int(torch.randint(0, 2**32, ()))

@@ -62,6 +62,8 @@ DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "confi
 
 def _chunk_logprobs(lm_head, h, targets, temperature, entropy):
     logits = lm_head(h).float() / temperature  # [c, V]: what the generator sampled from
+    if entropy is None:
+        return grpo.token_logprobs(logits, targets), None
     logp, ent = grpo.token_logprobs(logits, targets, entropy=True)  # one log_softmax for both
     return logp, ent if entropy == "grad" else ent.detach()  # the metric alone needs no backward
 

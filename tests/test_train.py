@@ -9,7 +9,6 @@ import copy
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -18,7 +17,6 @@ import time
 
 import pytest
 import torch
-import yaml
 
 import checkpoint
 import config
@@ -305,7 +303,7 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)  # the generator thread was stopped and joined
     assert proc.returncode == 128 + signal.SIGINT, err[-2000:]
-    assert f"stopped by SIGINT after rl step" in err and f"continue with: python train.py --resume run_dir={run_dir}" in err
+    assert "stopped by SIGINT after rl step" in err and f"continue with: python train.py --resume run_dir={run_dir}" in err
     assert "Traceback" not in err
     assert not [d for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.startswith(".")]
     for line in open(os.path.join(run_dir, "metrics.jsonl")):
