@@ -61,6 +61,10 @@ class RolloutConfig:
     chat_template: bool = True  # render prompts with the tokenizer's chat template
     max_staleness: int = 1  # batch i is sampled by weights i - max_staleness (one step off-policy); 0: synchronous
     dynamic_sampling: bool = False  # replace groups whose rewards all agree (zero advantage) with fresh prompts
+    # Dynamic sampling's over-sampling: each round draws this fraction more prompts than it still needs and
+    # generates them all at once (rows that free up take the extra ones); it stops taking groups, in prompt
+    # order, once enough informative ones are done, and cancels the rest. 0: sequential rounds only.
+    oversample: float = 0.5
     # false: new weights reach the generator between batches, so batch i is sampled wholly by version
     # i - max_staleness, which makes runs reproducible and resume exact. true: they land at the next decode
     # step of the batch in flight (fresher tokens; which token saw which version then depends on timing).
@@ -310,6 +314,7 @@ RULES = [  # (keys, test, what each must be)
      lambda x: x >= 1, ">= 1"),
     (("rollout.max_staleness", "optim.warmup_steps", "train.dsa_warmup_steps", "train.sft_steps", "train.rl_steps",
       "train.eval_every"), lambda x: x >= 0, ">= 0"),
+    (("rollout.oversample",), lambda x: math.isfinite(x) and x >= 0, ">= 0"),
     (("data.train_size", "data.eval_size"), lambda x: x is None or x >= 1, ">= 1 (or null: all)"),
     (("rollout.kv_cache_tokens",), lambda x: x is None or x >= 1, ">= 1 (or null: every row at full length)"),
     (("rollout.update_mode",), lambda x: x in ("keep_kv", "reprefill"), "keep_kv or reprefill"),

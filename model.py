@@ -259,7 +259,10 @@ class PagedKVCache:
     sequence's blocks are reused without copying anything. Before each forward the engine says where
     the new tokens go and what the rows read:
       - prefill: input [1, T], a packed row of whole sequences (positions restarting at 0). Attention
-        stays inside the row, as the learner's does; `slots` [T] receive the keys on the way.
+        stays inside the row, as the learner's does; `slots` [T] receive the keys on the way. Requests
+        with the same context (a prompt's n samples) share one forward: `copies` lists further
+        (slots [S], src [S]) pairs, slot j of a copy getting the keys of row token src[j]; one pair per
+        copy keeps the transient at the row's size.
       - decode: input [B, 1], one new token per row. `slots` [B] receive them, and `keys` [B, Lk] lists
         each row's slots in position order, left-padded (`key_valid` False there), the new token last.
         Attention.paged_decode reads the pool through them, so DSA's "earlier key wins" ties follow
@@ -275,10 +278,15 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # free block ids; pop() hands out the lowest first
         self.slots = self.keys = self.key_valid = None  # set by the engine before each forward
+        self.copies = []
 
     def write(self, store, i, new):
-        """Store new [B, T, ...] of layer i at `slots`; return it unchanged (prefill attends within its row)."""
-        store[i].index_copy_(0, self.slots, new.flatten(0, 1).to(store[i].dtype))
+        """Store new [B, T, ...] of layer i at `slots` (and its copies); return it unchanged (prefill
+        attends within its row)."""
+        rows = new.flatten(0, 1).to(store[i].dtype)
+        store[i].index_copy_(0, self.slots, rows)
+        for slots, src in self.copies:
+            store[i].index_copy_(0, slots, rows.index_select(0, src))
         return new
 
 
@@ -375,46 +383,37 @@ class Attention(nn.Module):
             return apply_rope(iq, *rope["index"]), apply_rope(ik, *rope["index"]), iw
 
     def paged_decode(self, x, q, k, v, rope, cache: PagedKVCache, selected):
-        """One new token per row (q [B, 1, H, D], k/v [B, 1, Hkv, D]) against the engine's block pool:
-        attention over each row's own slots is sparse attention with per-query key indices (dsa.py; the
-        Triton kernel reads the pool in place on CUDA). DSA scores the row's indexer keys gathered in
-        position order and maps its top-k back to slots, which the `S` layers after it reuse. Returns
-        (out [B, 1, H, D], selected: (slots [B, K], valid [B, K]) or None for all of the row's keys)."""
+        """One new token per row (q [B, 1, H, D], k/v [B, 1, Hkv, D]) against the engine's block pool. The
+        row's keys are its pool slots in position order (cache.keys [B, Lk], its new token last). DSA scores
+        the row's indexer keys in that order (so ties go to the earlier key, as in the learner) and maps
+        its top-k back to slots, which the `S` layers after it reuse. Returns (out [B, 1, H, D], selected:
+        (slots [B, K], valid [B, K]) or None for all of the row's keys)."""
         keys, valid = cache.keys, cache.key_valid  # [B, Lk]
-        B, _, H, D = q.shape
+        B, Lk = keys.shape
         cache.write(cache.k, self.layer, k)
         cache.write(cache.v, self.layer, v)
         if self.indexer is not None:
             iq, ik, iw = self.index(x, rope)
             cache.write(cache.index_k, self.layer, ik)
-            Lk = keys.shape[1]
             selected = None  # top-k >= keys: DSA selects every key, as in the learner
-            if self.cfg.dsa.topk < Lk and dsa._triton(q):  # the Triton scores, as the learner's
-                view = AttnMask(torch.full((1,), Lk - 1, device=keys.device), Lk, valid)  # the query is the last key
-                idx, ok = dsa.select_topk(iq, iw, cache.index_k[self.layer][keys], view, self.cfg.dsa.topk)
+            if self.cfg.dsa.topk < Lk:
+                last = AttnMask(torch.full((1,), Lk - 1, device=keys.device), Lk, valid)  # the query is the last key
+                row_ik = cache.index_k[self.layer].index_select(0, keys.flatten()).view(B, Lk, -1)
+                idx, ok = dsa.select_topk(iq, iw, row_ik, last, self.cfg.dsa.topk)  # [B, 1, K]
                 selected = keys.gather(1, idx[:, 0]), ok[:, 0]
-            elif self.cfg.dsa.topk < Lk:
-                # dsa.select_topk for one query per row, the row's last key (it sees all its valid keys):
-                # scores [B, Lk] of the row's indexer keys in position order, so ties go to the earlier key
-                pool_ik = cache.index_k[self.layer]
-                s = dsa.index_scores(iq, iw, pool_ik.index_select(0, keys.flatten()).view(B, Lk, -1))[:, 0]
-                s = s.masked_fill_(~valid, float("-inf"))
-                chosen = dsa._tie_broken(s).topk(self.cfg.dsa.topk, dim=-1).indices  # [B, K]
-                selected = keys.gather(1, chosen), s.gather(1, chosen) > float("-inf")
         idx, ok = selected if self.kind is not None and selected is not None else (keys, valid)
         pk, pv, scale = cache.k[self.layer], cache.v[self.layer], self.cfg.head_dim ** -0.5
         if dsa._triton(q):  # the kernel reads the pool in place: the B rows are B queries of one sequence
             return dsa.sparse_attention(q.transpose(0, 1), pk[None], pv[None], idx[None], ok[None], scale).transpose(0, 1), selected
-        # Elsewhere: gather each row's keys and values (whole slots, contiguous rows: index_select, several
-        # times faster on a CPU than advanced indexing) [B, Hkv, K, D] and attend in fp32, as
-        # dsa.sparse_attention does
-        K, Hkv = idx.shape[1], pk.shape[1]
+        # Elsewhere: gather each row's keys and values (whole slots: index_select, several times faster on a
+        # CPU than advanced indexing) [B, Hkv, K, D], and one fused attention call with each row as a batch
+        # entry and its own key mask (the CPU kernel takes GQA and the strided keys as they are)
+        K, Hkv, D = idx.shape[1], pk.shape[1], pk.shape[2]
         k = pk.index_select(0, idx.flatten()).view(B, K, Hkv, D).transpose(1, 2)
         v = pv.index_select(0, idx.flatten()).view(B, K, Hkv, D).transpose(1, 2)
-        with dsa.fp32_scope(q):
-            att = (q.view(B, Hkv, -1, D).float() @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G, K]
-            att = att.masked_fill(~ok[:, None, None], float("-inf")).softmax(-1)
-            return (att @ v.float()).to(q.dtype).view(B, 1, H, D), selected
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=ok[:, None, None], scale=scale,
+                                             enable_gqa=True)
+        return out.transpose(1, 2), selected
 
 
 def dense_attention(q, k, v, mask: AttnMask, scale):

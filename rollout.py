@@ -22,9 +22,11 @@ logprobs) accounts for the mix, but which token saw which version depends on tim
 """
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import json
+import math
 import os
 import queue
 import random
@@ -167,7 +169,7 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.pool = None  # the PagedKVCache, made by the first call that needs it
-        self.stats = {"iterations": 0, "prefills": 0, "retracted": 0}  # counts, for tests and benchmarks
+        self.stats = {"iterations": 0, "prefills": 0, "prefill_tokens": 0, "retracted": 0}  # for tests and benchmarks
 
     # ------------------------------------------------------------------------- calls
 
@@ -372,37 +374,62 @@ class TorchEngine:
 
     def _admit(self):
         """Waiting requests that fit now, oldest first: a free row, blocks for their context and first
-        decoded token plus one spare block per running row (to grow into), and the prefill budget."""
-        new, tokens = [], 0
+        decoded token plus one spare block per running row (to grow into), and the prefill budget (a
+        context already admitted in this round costs nothing: _prefill runs it once)."""
+        new, tokens, seen = [], 0, set()
         while self.waiting and len(self.reqs) + len(new) < self.max_batch:
             r = self.waiting[0]
-            ctx = len(r.prompt) + len(r.tokens)
-            blocks = ctx // BLOCK_SIZE + 1
-            if new and tokens + ctx > PREFILL_TOKENS or blocks + len(self.reqs) + len(new) > len(self.pool.free) and (new or self.reqs):
+            ctx = tuple(r.prompt + r.tokens)
+            cost = 0 if ctx in seen else len(ctx)
+            blocks = len(ctx) // BLOCK_SIZE + 1
+            if new and tokens + cost > PREFILL_TOKENS or blocks + len(self.reqs) + len(new) > len(self.pool.free) and (new or self.reqs):
                 break
             self.waiting.popleft()
             r.blocks = [self.pool.free.pop() for _ in range(blocks)]
             r.versions = r.versions or [self.version, self.version]
             new.append(r)
-            tokens += ctx
+            tokens += cost
+            seen.add(ctx)
         return new
 
     def _prefill(self, new):
-        """Prefill the admitted requests as one packed row, sample their first token, add their rows."""
+        """Prefill the admitted requests as one packed row, sample their first token, add their rows. Each
+        distinct context runs once (a prompt's n samples share it); the pool gets its keys once per request."""
         self.stats["prefills"] += 1
         ctxs = [r.prompt + r.tokens for r in new]
+        first, uniq, copy, seen = {}, [], [], collections.Counter()
+        for c in ctxs:
+            u = first.setdefault(tuple(c), len(uniq))
+            if u == len(uniq):
+                uniq.append(c)
+            copy.append((u, seen[u]))  # (its context's place in uniq, how many requests had it before)
+            seen[u] += 1
+        starts = [0, *itertools.accumulate(len(c) for c in uniq)]  # each distinct context's first token in the row
+
+        def slots_of(r, n):  # the pool slots of a request's first n positions
+            return [r.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
+
         # Host lists, one tensor each (a tensor per request would cost more than the tiny model's prefill):
-        # token ids, positions restarting at 0 per sequence, and the pool slot of each token [T]
-        ids = torch.tensor([t for c in ctxs for t in c], device=self.device)
-        pos = torch.tensor([p for c in ctxs for p in range(len(c))])
-        slots = torch.tensor([r.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
-                              for r, c in zip(new, ctxs) for p in range(len(c))])
-        ends = torch.tensor(list(itertools.accumulate(len(c) for c in ctxs))) - 1  # each one's last token
-        self.pool.slots, self.pool.keys = slots.to(self.device), None
+        # the row's token ids, positions restarting at 0 per context, the slots of each context's first
+        # request [T]; then per further copy, its requests' slots and the row tokens they take keys from
+        dev = self.device
+        ids = torch.tensor([t for c in uniq for t in c], device=dev)
+        pos = torch.tensor([p for c in uniq for p in range(len(c))])
+        by_copy = collections.defaultdict(list)
+        for r, (u, k) in zip(new, copy):
+            by_copy[k].append((r, u))
+        self.pool.slots = torch.tensor([s for r, u in by_copy[0] for s in slots_of(r, len(uniq[u]))], device=dev)
+        self.pool.copies = [(torch.tensor([s for r, u in by_copy[k] for s in slots_of(r, len(uniq[u]))], device=dev),
+                             torch.tensor([starts[u] + p for r, u in by_copy[k] for p in range(len(uniq[u]))], device=dev))
+                            for k in range(1, len(by_copy))]
+        ends = torch.tensor(starts[1:], device=dev) - 1  # each distinct context's last token
+        self.stats["prefill_tokens"] += len(ids)
+        self.pool.keys = None
         with self.lock:
-            hidden = self.model(ids[None], position_ids=pos.to(self.device)[None], cache=self.pool, return_hidden=True)
-            logits = self.model.lm_head(hidden[0, ends.to(self.device)])
+            hidden = self.model(ids[None], position_ids=pos.to(dev)[None], cache=self.pool, return_hidden=True)
+            logits = self.model.lm_head(hidden[0, ends])[torch.tensor([u for u, _ in copy], device=dev)]
             self.step_version = self.version
+        self.pool.copies = []
         dev, n = self.device, len(new)
         seeds = torch.tensor([r.seed for r in new], device=dev)
         base = torch.tensor([len(r.tokens) for r in new], device=dev)
@@ -656,11 +683,12 @@ class Generator:
 
     def __init__(self, engine, stream, tokenizer, *, prompts_per_step: int, n: int, sampling: SamplingParams,
                  max_staleness: int, dynamic_sampling: bool, chat_template: bool, max_prompt_tokens: int,
+                 oversample: float = 0.0,
                  reward_fn=math_reward, seed: int = 0, first_index: int = 0, partial_rollout: bool = False,
                  ready: list = ()):
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
         self.prompts_per_step, self.n, self.sampling = prompts_per_step, n, sampling
-        self.max_staleness, self.dynamic_sampling = max_staleness, dynamic_sampling
+        self.max_staleness, self.dynamic_sampling, self.oversample = max_staleness, dynamic_sampling, oversample
         self.chat_template, self.max_prompt_tokens = chat_template, max_prompt_tokens
         self.reward_fn, self.seed, self.partial_rollout = reward_fn, seed, partial_rollout
         self.queue = queue.Queue(maxsize=max_staleness + 1)
@@ -752,10 +780,12 @@ class Generator:
 
     def _make_batch(self):
         t0 = time.perf_counter()
-        kept, spare, rounds, generated, skipped = [], [], 0, [], 0
+        kept, spare, rounds, generated, skipped, cancelled = [], [], 0, [], 0, 0
         while len(kept) < self.prompts_per_step and rounds < MAX_SAMPLING_ROUNDS:
+            need = self.prompts_per_step - len(kept)
+            draw = math.ceil(need * (1 + self.oversample)) if self.dynamic_sampling else need
             examples, prompts = [], []
-            for ex in self.stream.next(self.prompts_per_step - len(kept)):
+            for ex in self.stream.next(draw):
                 ids = render_prompt(self.tokenizer, ex["prompt"], self.chat_template)
                 if len(ids) > self.max_prompt_tokens:
                     skipped += 1  # an overlong prompt would be cut mid-question: skip it
@@ -767,13 +797,15 @@ class Generator:
                 if skipped > len(self.stream.examples):
                     raise ValueError(f"every prompt is longer than rollout.max_prompt_tokens={self.max_prompt_tokens}")
                 continue
-            groups = self._generate_groups(examples, prompts, seed=self.seed * 1_000_003 + self.index * 101 + rounds)
+            groups = self._generate_groups(examples, prompts, seed=self.seed * 1_000_003 + self.index * 101 + rounds,
+                                           need=need if self.dynamic_sampling else None)
             if groups is None:
                 return None
             for g in groups:
                 generated += g
-                rewards = {s.reward for s in g}
-                (spare if self.dynamic_sampling and len(rewards) == 1 else kept).append(g)
+                (spare if self.dynamic_sampling and not informative(g) else kept).append(g)
+            cancelled += len(prompts) - len(groups)
+        kept = kept[:self.prompts_per_step]  # an engine that cannot stream finishes every over-sampled prompt
         top_up = spare[:self.prompts_per_step - len(kept)]  # too few informative groups: uniform ones fill in
         dropped, kept = len(spare) - len(top_up), kept + top_up
         samples = []
@@ -789,14 +821,39 @@ class Generator:
             "rollout/response_len": n_tok / max(1, len(generated)),
             "rollout/truncated": sum(s.finish_reason == "length" for s in generated) / max(1, len(generated)),
             "rollout/groups_dropped": dropped, "rollout/rounds": rounds, "rollout/prompts_skipped": skipped,
+            "rollout/prompts_cancelled": cancelled,
             "rollout/gen_s": secs, "rollout/gen_tokens_per_s": n_tok / max(secs, 1e-9),
         }
         return RolloutBatch(samples, self.index, self.stream.state_dict(), metrics)
 
-    def _generate_groups(self, examples, prompts, seed):
-        """n completions per prompt, graded; aborted ones (no partial rollout) are regenerated."""
-        flat = [p for p in prompts for _ in range(self.n)]
-        comps = self.engine.generate(flat, self.sampling, seed=seed)
+    def _generate_groups(self, examples, prompts, seed, need=None):
+        """n completions per prompt, graded: a list of groups in prompt order. need (dynamic sampling with
+        an engine that streams): stop once the groups done so far, taken in prompt order, hold `need`
+        informative ones, and cancel the prompts after them. Prompt order, not the order groups finish
+        in, so that which prompts train never favours short answers. Aborted completions (no partial
+        rollout) are generated again."""
+        n, flat = self.n, [p for p in prompts for _ in range(self.n)]
+        comps = [None] * len(flat)
+        done = []  # graded groups, a prefix of the prompts
+
+        def grade_ready():  # grade the groups whose n completions are all in, while they form a prefix
+            while len(done) < len(prompts) and all(comps[len(done) * n:(len(done) + 1) * n]):
+                p = len(done)
+                if any(c.finish_reason == "abort" for c in comps[p * n:(p + 1) * n]):
+                    return
+                done.append([Sample(prompts[p], c.token_ids, c.logprobs,
+                                    float(self.reward_fn(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), examples[p])),
+                                    p, c.versions, c.finish_reason, examples[p]) for c in comps[p * n:(p + 1) * n]])
+
+        if need is not None and hasattr(self.engine, "stream"):
+            with contextlib.closing(self.engine.stream(flat, self.sampling, seed=seed)) as results:
+                for i, c in results:
+                    comps[i] = c
+                    grade_ready()
+                    if sum(map(informative, done)) >= need:
+                        return done
+        else:
+            comps = self.engine.generate(flat, self.sampling, seed=seed)
         while not self.stopping.is_set():
             redo = [i for i, c in enumerate(comps) if c.finish_reason == "abort"]
             if not redo:
@@ -805,15 +862,13 @@ class Generator:
                 comps[i] = c
         if self.stopping.is_set():
             return None
-        groups = []
-        for p, ex in enumerate(examples):
-            group = []
-            for c in comps[p * self.n:(p + 1) * self.n]:
-                text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                group.append(Sample(prompts[p], c.token_ids, c.logprobs, float(self.reward_fn(text, ex)),
-                                    p, c.versions, c.finish_reason, ex))
-            groups.append(group)
-        return groups
+        grade_ready()
+        return done
+
+
+def informative(group) -> bool:
+    """A group whose rewards differ: GRPO's advantages are non-zero, so it teaches something."""
+    return len({s.reward for s in group}) > 1
 
 
 def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, chat_template: bool,

@@ -126,12 +126,17 @@ def test_stop_tokens_end_rows_independently():
 
 
 def test_sampling_is_reproducible_with_a_seed():
-    """Same seed, same tokens, whatever the batch composition (max_batch 1 or 6); another seed differs."""
+    """Same seed, same tokens, whatever the batch composition (max_batch 1 or 6); another seed differs.
+    With 6 rows the three requests of each prompt share one prefill (3 tokens run, not 9), and each row
+    then decodes from its own copy of the keys."""
     sp = SamplingParams(temperature=1.0, max_new_tokens=6)
-    a = TorchEngine(tiny_model()).generate([[1, 2], [3]] * 3, sp, seed=11)
-    b = TorchEngine(tiny_model(), max_batch=1).generate([[1, 2], [3]] * 3, sp, seed=11)
+    shared, alone = TorchEngine(tiny_model()), TorchEngine(tiny_model(), max_batch=1)
+    a = shared.generate([[1, 2], [3]] * 3, sp, seed=11)
+    b = alone.generate([[1, 2], [3]] * 3, sp, seed=11)
     c = TorchEngine(tiny_model()).generate([[1, 2], [3]] * 3, sp, seed=12)
     assert [x.token_ids for x in a] == [x.token_ids for x in b] != [x.token_ids for x in c]
+    assert [lp for x in a for lp in x.logprobs] == pytest.approx([lp for x in b for lp in x.logprobs], abs=1e-6)
+    assert shared.stats["prefill_tokens"] == 3 and alone.stats["prefill_tokens"] == 9
 
 
 def slow(engine, delay=0.02):
@@ -256,6 +261,37 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills():
     assert len(groups) == 2 and all(sorted(r) == [0.0, 1.0] for r in groups.values())
     uniform_drawn = sum(label in ("3", "5") for label in seen)
     assert batch.metrics["rollout/groups_dropped"] == uniform_drawn >= 1
+
+
+def test_oversampling_keeps_the_first_informative_groups_in_prompt_order():
+    """Dynamic sampling with oversample 1: one round draws twice the prompts it needs and generates them
+    all at once; the batch takes the first informative groups in prompt order (whatever order they
+    finish in), and the prompts after the last one it took are cancelled."""
+    seen = {}
+
+    def reward(text, example):  # labels 3 and 5: all-zero groups; the others one right answer in two
+        label = example["label"]
+        seen[label] = seen.get(label, 0) + 1
+        return float(label not in ("3", "5") and seen[label] % 2 == 0)
+
+    gen = make_generator(1, reward_fn=reward, dynamic=True)
+    gen.oversample = 1.0
+    gen.stream.next(1)
+    gen.stream.load_state_dict({**gen.stream.state_dict(), "position": gen.stream._order.index(2)})
+    drawn = [str(gen.stream._order[gen.stream._order.index(2) + j] + 1) for j in range(4)]  # labels, in order
+    informative = [i for i, label in enumerate(drawn) if label not in ("3", "5")]
+    assert drawn[0] == "3" and len(informative) >= 2  # the first prompt's group is uniform
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)
+    finally:
+        gen.stop()
+    labels = [batch.samples[2 * g].example["label"] for g in range(2)]
+    assert labels == [drawn[i] for i in informative[:2]]
+    m = batch.metrics
+    assert m["rollout/rounds"] == 1 and m["rollout/prompts_cancelled"] == 4 - (informative[1] + 1)
+    assert m["rollout/groups_dropped"] == informative[1] - 1  # the uniform groups before the last one taken
+    assert sorted(seen) == sorted(drawn[:informative[1] + 1])  # cancelled prompts are never graded
 
 
 def test_uniform_groups_used_to_top_up_are_not_counted_as_dropped():
