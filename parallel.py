@@ -13,7 +13,6 @@ The contract that makes the gradient exact: each rank's loss is a partial sum ov
 denominator of the step's batch. DDP and FSDP2 average gradients over ranks when they reduce, so
 learner_backward multiplies the loss by world() to turn their mean back into that sum.
 """
-import ctypes
 import datetime
 import math
 import os
@@ -136,23 +135,6 @@ def set_threads(devices, rl: bool):
     cores = max(1, cpu_cores() // local_layout()[1])
     both_cpu = devices[0].type == devices[1].type == "cpu"
     torch.set_num_threads(max(1, cores // 2) if rl and both_cpu else cores)
-
-
-def keep_freed_memory():
-    """glibc's malloc hands a freed block back to the kernel once it is larger than a threshold (128 KB
-    at first, raised as it sees larger frees, up to 32 MB) or sits at the top of the heap, so the next
-    step's tensor of that size faults every page in again, zeroed. A CPU step allocates and frees the
-    same activations over and over: keeping them in the heap measured 1.9x on a decode forward (batch
-    64, bench/engine.py's model). PyTorch's CPU tuning guide swaps in jemalloc or tcmalloc for this;
-    raising glibc's thresholds does it without one. The cost: the process keeps its peak heap. No-op
-    without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # blocks up to 32 MB (glibc's maximum) come from the heap
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 40)  # and the heap is never trimmed
 
 
 def autocast(device):

@@ -50,8 +50,8 @@ from config import (H100_BYTES, LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config, ConfigErr
                     load_run_config, plan_memory, save_config)
 from model import GLM
 from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy_rows, full_weights, global_sum,
-                      init_processes, keep_freed_memory, launch, learner_backward, micro_batches, optimizer_step,
-                      pair_devices, parallel_learner, rank, set_threads, unwrap, world)
+                      init_processes, launch, learner_backward, micro_batches, optimizer_step, pair_devices,
+                      parallel_learner, rank, set_threads, unwrap, world)
 from rollout import Generator, SamplingParams, evaluate, make_engine
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_cpu.yaml")
@@ -333,8 +333,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
     engine.update_weights(full_weights(learner, gen_dtype), version)  # the generator starts from the learner's weights
     gen = Generator(engine, stream, tokenizer, prompts_per_step=r.prompts_per_step // world(), n=r.n, sampling=sampling,
                     max_staleness=r.max_staleness, dynamic_sampling=r.dynamic_sampling, oversample=r.oversample,
-                    chat_template=r.chat_template,
-                    max_prompt_tokens=r.max_prompt_tokens, reward_fn=reward, seed=cfg.seed + 7919 * rank(),
+                    chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, reward_fn=reward, seed=cfg.seed + 7919 * rank(),
                     first_index=version, partial_rollout=r.partial_rollout, ready=ready)
     if version == 0:
         log.write("rl", 0, run_eval(cfg, engine, tokenizer, sets, stop_ids, reward))
@@ -456,7 +455,6 @@ def main(argv=None):
     np.random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     set_threads(devices, rl=False)
-    keep_freed_memory()
     start = starting_point(cfg, run_dir) if rank() == 0 else None  # rank 0 writes a fresh model's init_model/
     barrier()
     start = start or starting_point(cfg, run_dir)

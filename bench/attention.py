@@ -30,7 +30,6 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dsa  # noqa: E402
 from model import AttnMask  # noqa: E402
-from parallel import keep_freed_memory  # noqa: E402
 
 
 def timed(fn, device, repeat):
@@ -76,7 +75,6 @@ def main():
     ap.add_argument("--out", default="docs/benchmarks.md", help="markdown file to update ('' to skip)")
     ap.add_argument("--write", action="store_true", help="triton mode: write its table into --out")
     args = ap.parse_args()
-    keep_freed_memory()  # as train.py does: every engine and model here runs on the same allocator
     if args.kernels == "auto":
         args.kernels = "triton" if args.device.startswith("cuda") else "torch"
     if args.kernels == "triton":

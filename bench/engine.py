@@ -34,7 +34,6 @@ sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig, KVCache  # noqa: E402
 from rollout import Completion, SamplingParams, TorchEngine  # noqa: E402
-from parallel import keep_freed_memory  # noqa: E402
 
 
 class StaticEngine:
@@ -167,7 +166,6 @@ def main():
     ap.add_argument("--engines", default="ours,static,hf")
     ap.add_argument("--write", action="store_true", help="rewrite the engine section of docs/benchmarks.md")
     args = ap.parse_args()
-    keep_freed_memory()  # as train.py does: every engine and model here runs on the same allocator
     from transformers import Glm4ForCausalLM
 
     torch.manual_seed(0)

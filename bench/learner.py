@@ -34,7 +34,6 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
-from parallel import keep_freed_memory  # noqa: E402
 
 # The task part's models: the default run's shape (configs/tiny_cpu.yaml) as a dense Glm4ForCausalLM, and a
 # wider one, where matmuls take a larger share of the step.
@@ -177,7 +176,6 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="timed steps per shape in the hf part (median)")
     ap.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
     args = ap.parse_args()
-    keep_freed_memory()  # as train.py does: every engine and model here runs on the same allocator
     text = [f"### Learner: RL step and tokens/s vs transformers ({machine(torch.device('cpu'))})", ""]
     if args.part in ("all", "task"):
         repos = ([("before", os.path.abspath(args.before))] if args.before else []) + [("this checkout", ROOT)]

@@ -34,7 +34,6 @@ import train  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
 from rollout import RolloutBatch, Sample, SamplingParams, TorchEngine  # noqa: E402
-from parallel import keep_freed_memory  # noqa: E402
 
 # Defaults per preset; a flag given on the command line wins. --tiny keeps the CPU run under ~1 GB.
 FULL = dict(layers=4, samples=32, prompt=256, response=1024, tokens=16384, gen_batch=64, new_tokens=512, steps=3)
@@ -73,7 +72,6 @@ def main():
     ap.add_argument("--steps", type=int, help="timed learner steps (after one warm-up step)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md (section scale)")
     args = ap.parse_args()
-    keep_freed_memory()  # as train.py does: every engine and model here runs on the same allocator
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
