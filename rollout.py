@@ -67,6 +67,10 @@ class Completion:
 
 BLOCK_SIZE = 16  # token slots per KV block: a sequence wastes under one block
 PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most (a longer context goes alone)
+# While rows are decoding, waiting requests are admitted once this fraction of max_batch rows is free (or
+# every waiting request fits): a prefill costs a forward whatever its size, so rows that free up one at a
+# time are refilled in batches, not by one small prefill each.
+ADMIT_FRACTION = 1 / 8
 _M32 = 0xFFFFFFFF
 
 
@@ -136,9 +140,9 @@ class TorchEngine:
 
     A call's requests wait in a queue. Each iteration admits waiting requests while there are free rows
     (at most max_batch decode at once) and free KV blocks, prefills them as one packed row (at most
-    PREFILL_TOKENS), then decodes one token for every running row together; a finished row leaves at
-    once and the next request takes its place in the following iteration, so no row waits for the
-    longest. KV lives in a model.PagedKVCache: blocks of BLOCK_SIZE slots are taken as a row grows and
+    PREFILL_TOKENS; a prompt's n samples run their shared context once), then decodes one token for every
+    running row together; a finished row leaves at once and waiting requests take the free rows as soon
+    as ADMIT_FRACTION of them are free, so no row waits for the longest. KV lives in a model.PagedKVCache: blocks of BLOCK_SIZE slots are taken as a row grows and
     returned when it ends, nothing is copied. When blocks run out, the newest rows are retracted: their
     blocks are freed and they go back to the front of the queue with their tokens, to be prefilled again
     (prompt + tokens so far) and continue where they stopped.
@@ -376,6 +380,9 @@ class TorchEngine:
         """Waiting requests that fit now, oldest first: a free row, blocks for their context and first
         decoded token plus one spare block per running row (to grow into), and the prefill budget (a
         context already admitted in this round costs nothing: _prefill runs it once)."""
+        free_rows = self.max_batch - len(self.reqs)
+        if self.reqs and free_rows < min(len(self.waiting), max(1, int(self.max_batch * ADMIT_FRACTION))):
+            return []
         new, tokens, seen = [], 0, set()
         while self.waiting and len(self.reqs) + len(new) < self.max_batch:
             r = self.waiting[0]

@@ -149,14 +149,18 @@ def engine_runner(engine, work):
     return run
 
 
-def timed(fn, repeat):
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+def timed(fns, repeat):
+    """Median seconds of each function over `repeat` rounds after a warm-up, run interleaved (one call of
+    each per round), so that drift on the machine hits every engine alike."""
+    for fn in fns.values():
         fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    ts = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in ts.items()}
 
 
 def main():
@@ -183,19 +187,19 @@ def main():
         runners = {"ours": lambda: engine_runner(TorchEngine(ours, max_batch=args.batch), work),
                    "static": lambda: engine_runner(StaticEngine(ours, args.batch), work),
                    "hf": lambda: hf_runner(hf, work, args.batch)}
-        for name in args.engines.split(","):
-            secs = timed(runners[name](), args.repeat)
-            results[shape, name] = (secs, tokens / secs)
-            print(f"{shape:8} {name:7} {secs:7.2f} s  {tokens / secs:8.0f} new tokens/s", flush=True)
+        secs = timed({name: runners[name]() for name in args.engines.split(",")}, args.repeat)
+        for name, t in secs.items():
+            results[shape, name] = (t, tokens / t)
+            print(f"{shape:8} {name:7} {t:7.2f} s  {tokens / t:8.0f} new tokens/s", flush=True)
     engines = args.engines.split(",")
     rows = [f"| {shape} | {names[n]} | {results[shape, n][0]:.2f} | {results[shape, n][1]:.0f} | "
             f"{results[shape, n][1] / results[shape, 'hf'][1]:.2f}x |" for shape in ("uniform", "rl") for n in engines]
     lines = [f"### Generation engine, continuous batching vs static batches vs transformers ({machine(torch.device('cpu'))})",
              "",
-             f"Command: `python bench/engine.py --write`. Dense GLM, 4 layers, hidden 256, 8 heads (2 KV), vocab 512, "
-             f"float32; at most {args.batch} rows decode at once in every engine; temperature 1, per-token logprobs; "
-             f"median of {args.repeat} after a warm-up. `uniform`: {args.batch} prompts of 8-32 tokens, 64 new tokens "
-             f"each. `rl`: 256 requests (32 prompts x 8), 85 % of responses 8-32 tokens, 15 % 33-256, one of 256; "
+             f"Command: `python bench/engine.py --repeat {args.repeat} --write`. Dense GLM, 4 layers, hidden 256, 8 "
+             f"heads (2 KV), vocab 512, float32; at most {args.batch} rows decode at once in every engine; temperature "
+             f"1, per-token logprobs; median of {args.repeat} rounds after a warm-up, the engines interleaved in each "
+             f"round. `uniform`: {args.batch} prompts of 8-32 tokens, 64 new tokens each. `rl`: 256 requests (32 prompts x 8), 85 % of responses 8-32 tokens, 15 % 33-256, one of 256; "
              f"{sum(n for _, n in workloads(cfg, args.batch)['rl'])} new tokens in all. Each request stops at its "
              f"length; transformers runs batches of {args.batch} in order to their longest member (it keeps computing "
              f"finished rows). Counted: the requested new tokens / wall-clock seconds.",
