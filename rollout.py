@@ -142,8 +142,9 @@ class TorchEngine:
     (at most max_batch decode at once) and free KV blocks, prefills them as one packed row (at most
     PREFILL_TOKENS; a prompt's n samples run their shared context once), then decodes one token for every
     running row together; a finished row leaves at once and waiting requests take the free rows as soon
-    as ADMIT_FRACTION of them are free, so no row waits for the longest. KV lives in a model.PagedKVCache: blocks of BLOCK_SIZE slots are taken as a row grows and
-    returned when it ends, nothing is copied. When blocks run out, the newest rows are retracted: their
+    as ADMIT_FRACTION of them are free, so no row waits for the longest. KV lives in a
+    model.PagedKVCache: blocks of BLOCK_SIZE slots are taken as a row grows and returned when it ends,
+    nothing is copied. When blocks run out, the newest rows are retracted: their
     blocks are freed and they go back to the front of the queue with their tokens, to be prefilled again
     (prompt + tokens so far) and continue where they stopped.
 
@@ -379,7 +380,8 @@ class TorchEngine:
     def _admit(self):
         """Waiting requests that fit now, oldest first: a free row, blocks for their context and first
         decoded token plus one spare block per running row (to grow into), and the prefill budget (a
-        context already admitted in this round costs nothing: _prefill runs it once)."""
+        context already admitted in this round costs nothing: _prefill runs it once). While rows are
+        decoding, nobody is admitted until ADMIT_FRACTION of the rows (or all that wait) can be."""
         free_rows = self.max_batch - len(self.reqs)
         if self.reqs and free_rows < min(len(self.waiting), max(1, int(self.max_batch * ADMIT_FRACTION))):
             return []
@@ -437,7 +439,7 @@ class TorchEngine:
             logits = self.model.lm_head(hidden[0, ends])[torch.tensor([u for u, _ in copy], device=dev)]
             self.step_version = self.version
         self.pool.copies = []
-        dev, n = self.device, len(new)
+        n = len(new)
         seeds = torch.tensor([r.seed for r in new], device=dev)
         base = torch.tensor([len(r.tokens) for r in new], device=dev)
         left = torch.tensor([r.max_new - len(r.tokens) for r in new], device=dev)
@@ -845,12 +847,12 @@ class Generator:
 
         def grade_ready():  # grade the groups whose n completions are all in, while they form a prefix
             while len(done) < len(prompts) and all(comps[len(done) * n:(len(done) + 1) * n]):
-                p = len(done)
-                if any(c.finish_reason == "abort" for c in comps[p * n:(p + 1) * n]):
+                p, group = len(done), comps[len(done) * n:(len(done) + 1) * n]
+                if any(c.finish_reason == "abort" for c in group):
                     return
-                done.append([Sample(prompts[p], c.token_ids, c.logprobs,
-                                    float(self.reward_fn(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), examples[p])),
-                                    p, c.versions, c.finish_reason, examples[p]) for c in comps[p * n:(p + 1) * n]])
+                texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+                done.append([Sample(prompts[p], c.token_ids, c.logprobs, float(self.reward_fn(text, examples[p])), p,
+                                    c.versions, c.finish_reason, examples[p]) for c, text in zip(group, texts)])
 
         if need is not None and hasattr(self.engine, "stream"):
             with contextlib.closing(self.engine.stream(flat, self.sampling, seed=seed)) as results:

@@ -18,7 +18,8 @@ temperature 1 with per-token logprobs from every engine. Every engine decodes at
   length.
 
 What is counted: new tokens that the requests asked for (the sum of their lengths) per second of wall
-clock, the same numerator for every engine; the median of --repeat runs after a warm-up.
+clock, the same numerator for every engine; the median of --repeat rounds after a warm-up, each round
+running every engine once (interleaved, so that drift on the machine hits them alike).
 """
 import argparse
 import os
@@ -199,7 +200,8 @@ def main():
              f"Command: `python bench/engine.py --repeat {args.repeat} --write`. Dense GLM, 4 layers, hidden 256, 8 "
              f"heads (2 KV), vocab 512, float32; at most {args.batch} rows decode at once in every engine; temperature "
              f"1, per-token logprobs; median of {args.repeat} rounds after a warm-up, the engines interleaved in each "
-             f"round. `uniform`: {args.batch} prompts of 8-32 tokens, 64 new tokens each. `rl`: 256 requests (32 prompts x 8), 85 % of responses 8-32 tokens, 15 % 33-256, one of 256; "
+             f"round. `uniform`: {args.batch} prompts of 8-32 tokens, 64 new tokens each. `rl`: 256 requests (32 "
+             f"prompts x 8), 85 % of responses 8-32 tokens, 15 % 33-256, one of 256; "
              f"{sum(n for _, n in workloads(cfg, args.batch)['rl'])} new tokens in all. Each request stops at its "
              f"length; transformers runs batches of {args.batch} in order to their longest member (it keeps computing "
              f"finished rows). Counted: the requested new tokens / wall-clock seconds.",

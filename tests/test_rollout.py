@@ -139,6 +139,21 @@ def test_sampling_is_reproducible_with_a_seed():
     assert shared.stats["prefill_tokens"] == 3 and alone.stats["prefill_tokens"] == 9
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prefill_writes_every_requests_keys(dtype):
+    """Three requests with one prompt: the prompt runs once, and each request's own block gets the same
+    keys and values (and DSA indexer keys), in the generator's dtypes too."""
+    model = tiny_model({"topk": 2, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}).to(dtype)
+    engine = TorchEngine(model, max_batch=3, kv_tokens=8 * rollout.BLOCK_SIZE)  # blocks to spare: one prefill
+    engine.generate([[5, 6, 7]] * 3, SamplingParams(temperature=0, max_new_tokens=1))
+    assert engine.stats["prefill_tokens"] == 3
+    B = rollout.BLOCK_SIZE  # the three requests took blocks 0, 1 and 2; one token sampled, no decode step
+    for store in (engine.pool.k, engine.pool.v, [t for t in engine.pool.index_k if t is not None]):
+        for t in store:
+            assert t.dtype == dtype and t[:3].abs().sum() > 0
+            assert torch.equal(t[B:B + 3], t[:3]) and torch.equal(t[2 * B:2 * B + 3], t[:3])
+
+
 def slow(engine, delay=0.02):
     forward = engine.model.forward
     engine.model.forward = lambda *a, **k: (time.sleep(delay), forward(*a, **k))[1]
