@@ -316,10 +316,11 @@ class Attention(nn.Module):
         self.kind = cfg.dsa.layer_kinds(cfg.num_layers)[layer] if cfg.dsa else None  # "F", "S" or None
         self.indexer = dsa.Indexer(cfg.hidden_size, cfg.dsa) if self.kind == "F" else None
 
-    def forward(self, x, rope, mask: AttnMask, cache, selected, indexer_loss):
+    def forward(self, x, rope, mask: AttnMask, cache, selected, indexer_loss, keep=None):
         """Returns (output, selected, kl): `selected` is this layer's (idx, valid) top-k choice, handed on
         to the following `S` layers (IndexCache; for packed rows a list, one per group); kl is the
-        indexer loss of an `F` layer when asked for."""
+        indexer loss of an `F` layer when asked for. keep [K]: the positions (along T) whose output is
+        wanted; the output projection runs on those only (output [B, K, hidden])."""
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q = apply_rope(self.q_proj(x).view(B, T, -1, D), *rope["main"])
@@ -327,7 +328,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, D)
         if isinstance(cache, PagedKVCache) and cache.keys is not None:
             out, selected = self.paged_decode(x, q, k, v, rope, cache, selected)
-            return self.o_proj(out.reshape(B, T, -1)), selected, None
+            return self.project(out, keep), selected, None
         if cache is not None:
             k, v = cache.write(cache.k, self.layer, k), cache.write(cache.v, self.layer, v)
         index = None
@@ -338,7 +339,7 @@ class Attention(nn.Module):
             index = (iq, iw, ik)
         if mask.packed is None:
             out, selected, kl = self.attend(q, k, v, index, mask, selected, indexer_loss)
-            return self.o_proj(out.reshape(B, T, -1)), selected, kl
+            return self.project(out, keep), selected, kl
         # Packed rows: attention for each group of similar-length sequences (model.Packed)
         p, outs, chosen, kl = mask.packed, [], [], None
         for i, (src, m) in enumerate(p.groups):
@@ -349,7 +350,12 @@ class Attention(nn.Module):
             chosen.append(sel)
             if kl_i is not None:  # a mean over the group's tokens: weighted into the mean over all
                 kl = kl_i * p.share[i] + (0.0 if kl is None else kl)
-        return self.o_proj(p.put_back(outs, (B, T)).reshape(B, T, -1)), chosen, kl
+        return self.project(p.put_back(outs, (B, T)), keep), chosen, kl
+
+    def project(self, out, keep):
+        """out [B, T, H, D] -> o_proj of the kept positions [B, K | T, hidden]."""
+        out = out.flatten(2)
+        return self.o_proj(out if keep is None else out[:, keep])
 
     def attend(self, q, k, v, index, mask: AttnMask, selected, indexer_loss):
         """Attention of q [B, Tq, H, D] over k, v [B, Tk, Hkv, D] under mask: DSA's top-k (chosen here
@@ -453,9 +459,12 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, mask, cache, selected, indexer_loss):
-        h, selected, kl = self.self_attn(self.input_layernorm(x), rope, mask, cache, selected, indexer_loss)
-        x = x + self.post_self_attn_layernorm(h)
+    def forward(self, x, rope, mask, cache, selected, indexer_loss, keep=None):
+        """keep [K] (the last block only): positions whose output is wanted. Attention still runs for
+        every position (their keys and values are the later tokens' context); the output projection and
+        the MLP run on the kept ones only. Returns x [B, K | T, hidden]."""
+        h, selected, kl = self.self_attn(self.input_layernorm(x), rope, mask, cache, selected, indexer_loss, keep)
+        x = (x if keep is None else x[:, keep]) + self.post_self_attn_layernorm(h)
         return x + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x))), selected, kl
 
 
@@ -473,8 +482,8 @@ class GLM(nn.Module):
         self.apply(init_weights)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | PagedKVCache | None = None,
-                last_only=False, indexer_loss=None, return_hidden=False):
-        """input_ids [B, T] -> logits [B, T, vocab] (or [B, 1, vocab] with last_only).
+                last_only=False, indexer_loss=None, return_hidden=False, keep=None):
+        """input_ids [B, T] -> logits [B, T, vocab] (or [B, K, vocab] with keep, [B, 1, vocab] with last_only).
 
         position_ids [B, T]: without a cache (or in a PagedKVCache prefill), the rows are packed: positions
             restart at 0 where each sequence starts, and no token attends across sequences (model.Packed);
@@ -484,6 +493,10 @@ class GLM(nn.Module):
             attention, KL on the selected keys); then returns (logits, indexer KL averaged over F layers).
         return_hidden: return the final normed hidden states [B, T, hidden] instead of logits (the
             learner applies lm_head in chunks to keep [T, vocab] logits out of memory).
+        keep: the positions [K] (a LongTensor or a slice along T) whose outputs are wanted, the others
+            serving only as context (a prompt, the token after the last scored one): the last block's
+            output projection and MLP, the final norm and lm_head run on those alone. last_only is
+            keep=[T-1].
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -520,8 +533,10 @@ class GLM(nn.Module):
             # selections match the generator's (an fp32 stream here alone flips top-k keys and costs memory).
             x = x.to(torch.get_autocast_dtype(device.type))
         selected, kls = None, []  # top-k choice flows from each F layer to the S layers after it
-        for block in self.layers:
-            args = (x, rope, mask, paged or cache, selected, indexer_loss)
+        if last_only:
+            keep = slice(T - 1, T)
+        for i, block in enumerate(self.layers):
+            args = (x, rope, mask, paged or cache, selected, indexer_loss, keep if i == len(self.layers) - 1 else None)
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 x, selected, kl = torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False)
             else:
@@ -530,7 +545,7 @@ class GLM(nn.Module):
                 kls.append(kl)
         if cache is not None:
             cache.length = past + T
-        x = self.norm(x[:, -1:] if last_only else x)
+        x = self.norm(x)
         out = x if return_hidden else self.lm_head(x)
         if indexer_loss is not None:
             return out, torch.stack(kls).mean()

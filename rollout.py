@@ -435,8 +435,8 @@ class TorchEngine:
         self.stats["prefill_tokens"] += len(ids)
         self.pool.keys = None
         with self.lock:
-            hidden = self.model(ids[None], position_ids=pos.to(dev)[None], cache=self.pool, return_hidden=True)
-            logits = self.model.lm_head(hidden[0, ends])[torch.tensor([u for u, _ in copy], device=dev)]
+            hidden = self.model(ids[None], position_ids=pos.to(dev)[None], cache=self.pool, return_hidden=True, keep=ends)
+            logits = self.model.lm_head(hidden[0])[torch.tensor([u for u, _ in copy], device=dev)]
             self.step_version = self.version
         self.pool.copies = []
         n = len(new)

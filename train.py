@@ -88,15 +88,16 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     lengths = [len(seq) for seq, _ in rows]
     ids = torch.tensor([t for seq, _ in rows for t in seq], device=device)[None]  # [1, L]
     pos = spans([0] * len(rows), lengths, device)[None]  # [1, L]: 0 .. L_i - 1 for each sequence
-    out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True)
-    hidden, kl = out if indexer_loss is not None else (out, None)  # [1, L, hidden]
+    # Position j predicts token j+1: a response of R tokens after P prompt tokens is scored at the
+    # sequence's positions P-1 .. P+R-2. Only those are kept past the last block's attention (the others
+    # are context only), and only they ever meet the [hidden, vocab] head.
+    starts = [s + p - 1 for s, (_, p) in zip(itertools.accumulate([0] + lengths), rows)]
+    where = spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device) if logprobs else None  # [N]
+    out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True, keep=where)
+    hidden, kl = out if indexer_loss is not None else (out, None)  # [1, N, hidden]
     if not logprobs:
         return None, None, kl
-    # Position j predicts token j+1: a response of R tokens after P prompt tokens is scored at the
-    # sequence's positions P-1 .. P+R-2. Only those rows ever meet the [hidden, vocab] head.
-    starts = [s + p - 1 for s, (_, p) in zip(itertools.accumulate([0] + lengths), rows)]
-    where = spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device)  # [N]
-    h, targets = hidden[0, where], ids[0, where + 1]  # [N, hidden], [N]
+    h, targets = hidden[0], ids[0, where + 1]  # [N, hidden], [N]
     logp, ent = [], []
     recompute = len(where) * net.cfg.vocab_size * 4 > LOGIT_KEEP_BYTES  # large logits: recompute, do not keep
     for c in range(0, len(where), LOGIT_CHUNK):

@@ -193,6 +193,39 @@ def test_packed_forward_equals_separate(pair, autocast, monkeypatch):
     assert scored <= sum(n * n for n in lengths) / model.GROUP_RATIO**2 < sum(lengths) ** 2 / 3
 
 
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_keep_gives_the_kept_positions_outputs_and_gradients(pair, autocast):
+    """keep (the learner's scored positions): the outputs and gradients of the full forward at those
+    positions, in fp32 and under bf16 autocast, with the last block's MLP run on the kept rows only."""
+    _, ours, _ = pair
+    g = torch.Generator().manual_seed(7)
+    lengths = (6, 3, 9, 5)
+    ids = torch.randint(0, 97, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    keep = torch.tensor([2, 3, 4, 7, 12, 13, 20])
+    weight = torch.randn(97, generator=g)
+    rows = []
+    hook = ours.layers[-1].mlp.down_proj.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
+
+    def run(**kw):
+        ours.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = ours(ids, position_ids=pos, **kw)[0].float()
+        out = out if "keep" in kw else out[keep]
+        (out @ weight).sum().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in ours.named_parameters()}
+    try:
+        out, grads = run(keep=keep)
+        ref, ref_grads = run()
+    finally:
+        hook.remove()
+    assert rows == [len(keep), ids.shape[1]]
+    tol = 2e-2 if autocast else 1e-5  # bf16: the matmuls' row blocking differs with the row count
+    assert rel_err(out, ref) < tol
+    for n in grads:
+        assert rel_err(grads[n], ref_grads[n]) < (5e-2 if autocast else 1e-5), n
+
 def test_packed_groups():
     """model.Packed: every token appears once in its group at its own position, padding only at the
     right end of a sequence; rows of several sequences (B > 1) too."""
