@@ -691,9 +691,8 @@ class Generator:
     next decode step of the batch in flight."""
 
     def __init__(self, engine, stream, tokenizer, *, prompts_per_step: int, n: int, sampling: SamplingParams,
-                 max_staleness: int, dynamic_sampling: bool, chat_template: bool, max_prompt_tokens: int,
-                 oversample: float = 0.0,
-                 reward_fn=math_reward, seed: int = 0, first_index: int = 0, partial_rollout: bool = False,
+                 max_staleness: int, dynamic_sampling: bool, oversample: float, chat_template: bool,
+                 max_prompt_tokens: int, reward_fn=math_reward, seed: int = 0, first_index: int = 0, partial_rollout: bool = False,
                  ready: list = ()):
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
         self.prompts_per_step, self.n, self.sampling = prompts_per_step, n, sampling
@@ -814,9 +813,10 @@ class Generator:
                 generated += g
                 (spare if self.dynamic_sampling and not informative(g) else kept).append(g)
             cancelled += len(prompts) - len(groups)
-        kept = kept[:self.prompts_per_step]  # an engine that cannot stream finishes every over-sampled prompt
+        surplus = kept[self.prompts_per_step:]  # an engine that cannot stream finishes every over-sampled prompt
+        kept = kept[:self.prompts_per_step]
         top_up = spare[:self.prompts_per_step - len(kept)]  # too few informative groups: uniform ones fill in
-        dropped, kept = len(spare) - len(top_up), kept + top_up
+        dropped, kept = len(spare) - len(top_up) + len(surplus), kept + top_up
         samples = []
         for gi, g in enumerate(kept):
             for s in g:

@@ -202,7 +202,7 @@ def make_generator(max_staleness, reward_fn=None, dynamic=False, n=2, engine=Non
     engine = engine or TorchEngine(tiny_model_for(tok))
     return Generator(engine, PromptStream(examples, seed=0), tok, prompts_per_step=2, n=n,
                      sampling=SamplingParams(max_new_tokens=4, stop_token_ids=(tok.eos_token_id,)),
-                     max_staleness=max_staleness, dynamic_sampling=dynamic, chat_template=True,
+                     max_staleness=max_staleness, dynamic_sampling=dynamic, oversample=0.0, chat_template=True,
                      max_prompt_tokens=32, reward_fn=reward_fn or (lambda text, example: 0.0))
 
 
@@ -307,6 +307,37 @@ def test_oversampling_keeps_the_first_informative_groups_in_prompt_order():
     assert m["rollout/rounds"] == 1 and m["rollout/prompts_cancelled"] == 4 - (informative[1] + 1)
     assert m["rollout/groups_dropped"] == informative[1] - 1  # the uniform groups before the last one taken
     assert sorted(seen) == sorted(drawn[:informative[1] + 1])  # cancelled prompts are never graded
+
+
+def test_oversampling_without_streaming_counts_the_surplus_groups_as_dropped():
+    """An engine that cannot stream (SGLang's adapter) finishes every over-sampled prompt: the batch keeps
+    the first informative groups in prompt order and the surplus is reported, not lost silently."""
+    class NoStream:  # a TorchEngine without stream()
+        def __init__(self, engine):
+            self.engine = engine
+
+        def __getattr__(self, name):
+            if name == "stream":
+                raise AttributeError(name)
+            return getattr(self.engine, name)
+
+    seen = {}
+
+    def reward(text, example):  # every group informative: one right answer in two
+        seen[example["label"]] = seen.get(example["label"], 0) + 1
+        return float(seen[example["label"]] % 2 == 0)
+
+    tok = make_tiny_tokenizer()
+    gen = make_generator(1, reward_fn=reward, dynamic=True, engine=NoStream(TorchEngine(tiny_model_for(tok))))
+    gen.oversample = 1.0
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)
+    finally:
+        gen.stop()
+    m = batch.metrics
+    assert len(seen) == 4 and len({s.group for s in batch.samples}) == 2  # 4 drawn and graded, 2 kept
+    assert m["rollout/groups_dropped"] == 2 and m["rollout/prompts_cancelled"] == 0
 
 
 def test_uniform_groups_used_to_top_up_are_not_counted_as_dropped():
