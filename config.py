@@ -420,7 +420,7 @@ def plan_memory(cfg: Config, processes):
                        gradient_checkpointing=cfg.model.gradient_checkpointing,
                        trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
-                       kv_cache_tokens=r.kv_cache_tokens,
+                       kv_cache_tokens=r.kv_cache_tokens, group_size=max(r.n, t.eval_n),
                        generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,

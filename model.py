@@ -840,13 +840,14 @@ def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad, kernels):
 def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
                 gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
                 generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
-                kv_cache_tokens: int | None = None, prefill_tokens: int = 4096,
+                kv_cache_tokens: int | None = None, prefill_tokens: int = 4096, group_size: int = 1,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
                 dsa_kernels: bool = True) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
     up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
-    (None: every row at full length), prefills of prefill_tokens; "sglang": its share of the GPU). logit_chunk:
+    (None: every row at full length), prefills of prefill_tokens whose contexts the group_size samples of a
+    prompt share; "sglang": its share of the GPU). logit_chunk:
     response tokens per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch
     keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA runs dsa_triton's
     kernels (dsa.USE_TRITON)."""
@@ -929,10 +930,16 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     if engine == "sglang":
         generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P + 2 * P32)]
     else:
-        M = max(prefill_tokens, S)  # prefill tokens, no grad, everything bf16 but RMSNorm's internals
+        # Prefill: one packed row of M tokens, no grad, everything bf16 but RMSNorm's internals; attention runs
+        # on groups of similar-length sequences (right-padded, no mask). The samples sharing a context take
+        # its keys from the row: every further copy's (pool slot, row token) int64 pairs, one copy's keys
+        # gathered at a time.
+        M = max(prefill_tokens, S)
         prefill = M * (2 * h + max(2 * (h + 4 * I),  # residual [M, h] + normed input, gate_up [M, 2I], silu, act
-                                   2 * (h + 2 * (HD + 2 * KD) + 2 * HD + HD),  # or q, k, v, RoPE, k/v expanded, out
-                                   3 * 4 * h)) + 5 * M * M  # or RMSNorm's fp32 temps; the packed row's mask [M, M]
+                                   2 * (h + 2 * (HD + 2 * KD) + HD)  # or q, k, v before and after RoPE, out
+                                   + int(pad * (2 * (HD + 2 * KD) + 2 * HD + 4 * H)),  # + the groups' q, k, v, out, LSE
+                                   3 * 4 * h)  # or RMSNorm's fp32 temps
+                       + 16 * (group_size - 1) + 2 * KD)  # the copies' (slot, source) pairs; one copy's keys
         # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp; the noise's int64 hashes
         decode = int(4.5 * B * V * 4) + 3 * B * V * 8
         if cfg.dsa is not None and cfg.dsa.topk < M:

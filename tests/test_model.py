@@ -330,6 +330,8 @@ def test_memory_plan_items_against_hand_formulas():
     assert dict(tiny_plan(kv_cache_tokens=64).generator)["paged KV pool bf16, 64 token slots (rollout and eval, one at a time)"] == kv * 64 // 120
     # rows: block tables [3, 40 // 16 + 1] int64, tokens + logprobs [3, 30], a step's key slots and valid [3, 40]
     assert gen["3 rows: block tables, tokens + logprobs, a step's key slots"] == 3 * 3 * 8 + 3 * 30 * 12 + 3 * 40 * 9
+    prefill = lambda **kw: dict(tiny_plan(**kw).generator)["largest transient: prefill of 4096 packed tokens"]
+    assert prefill(group_size=8) - prefill() == 4096 * 7 * (8 + 8)  # 7 further copies' int64 (slot, source) pairs
     plan = tiny_plan()
     assert plan.learner_bytes() == sum(fsdp.values()) and plan.generator_bytes() == sum(gen.values())
 
