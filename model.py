@@ -194,11 +194,12 @@ class Packed:
     share: list[float]  # each group's fraction of the tokens (to average the indexer KL over all of them)
 
     @classmethod
-    def of(cls, position_ids):
+    def of(cls, position_ids, device=None):
         """position_ids [B, T], restarting at 0 where a sequence starts (every row starts one). One read
-        of the sequence boundaries to the host, per forward."""
+        of the sequence boundaries to the host, per forward; none when they are on the host already (the
+        engine's prefill), with the groups made on `device`."""
         B, T = position_ids.shape
-        device, N = position_ids.device, B * T
+        device, N = device or position_ids.device, B * T
         starts = (position_ids.flatten() == 0).nonzero()[:, 0].cpu()
         starts = torch.unique(torch.cat([starts, torch.arange(0, N, T)]))  # a row's first token starts one
         lengths = torch.diff(starts, append=torch.tensor([N]))
@@ -259,7 +260,8 @@ class PagedKVCache:
     sequence's blocks are reused without copying anything. Before each forward the engine says where
     the new tokens go and what the rows read:
       - prefill: input [1, T], a packed row of whole sequences (positions restarting at 0). Attention
-        stays inside the row, as the learner's does; `slots` [T] receive the keys on the way. Requests
+        stays inside the row, as the learner's does; `slots` [T] receive the keys on the way; `packed`
+        (model.Packed, grouped from the positions on the host) spares the forward a read back. Requests
         with the same context (a prompt's n samples) share one forward: `copies` lists further
         (slots [S], src [S]) pairs, slot j of a copy getting the keys of row token src[j]; one pair per
         copy keeps the transient at the row's size.
@@ -277,7 +279,7 @@ class PagedKVCache:
                         for kind in kinds]
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # free block ids; pop() hands out the lowest first
-        self.slots = self.keys = self.key_valid = None  # set by the engine before each forward
+        self.slots = self.keys = self.key_valid = self.packed = None  # set by the engine before each forward
         self.copies = []
 
     def write(self, store, i, new):
@@ -517,7 +519,8 @@ class GLM(nn.Module):
             cache.key_mask[:, past:past + T] = True if valid is None else valid
             mask = AttnMask(torch.arange(past, past + T, device=device), past + T, cache.key_mask[:, :past + T])
         else:
-            mask = AttnMask(torch.arange(T, device=device), T, valid, packed=Packed.of(position_ids) if packed else None)
+            groups = getattr(paged, "packed", None) or (Packed.of(position_ids) if packed else None)
+            mask = AttnMask(torch.arange(T, device=device), T, valid, packed=groups)
 
         rope = {"main": rope_cos_sin(position_ids, self.cfg.rope_dim, self.cfg.rope_theta, self.cfg.head_dim)}
         if self.cfg.dsa is not None:

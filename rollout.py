@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from data import eval_metrics, math_reward, render_prompt
-from model import GLM, PagedKVCache, hf_name
+from model import GLM, Packed, PagedKVCache, hf_name
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
@@ -258,7 +258,7 @@ class TorchEngine:
         self.seeds, self.base, self.buf = (torch.zeros(0, **long) for _ in range(3))
         self.status = torch.zeros(0, dtype=torch.long, device=dev)
         self.table = torch.zeros(0, blocks, **long)
-        self.host_pos = torch.zeros(0, dtype=torch.long)  # = pos, kept on the host for block bookkeeping
+        self.host_pos = []  # = pos as Python ints: block bookkeeping on the host reads nothing from the device
 
     def _close(self):
         self.waiting, self.reqs, self.landing, self.finished = collections.deque(), [], [], []
@@ -268,9 +268,8 @@ class TorchEngine:
 
     def _keep_rows(self, keep: list[int]):
         """Compact the running rows to `keep` (batch indices), in that order."""
-        idx = torch.tensor(keep, dtype=torch.long)
-        self.host_pos = self.host_pos[idx]
-        idx = idx.to(self.device)
+        self.host_pos = [self.host_pos[i] for i in keep]
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         for name in self._ROW_STATE:
             setattr(self, name, getattr(self, name)[idx])
         self.reqs = [self.reqs[i] for i in keep]
@@ -365,7 +364,7 @@ class TorchEngine:
 
     def _grow(self):
         """A block for every running row whose next token starts one; retract the newest rows if short."""
-        need = (self.host_pos % BLOCK_SIZE == 0).nonzero()[:, 0].tolist()
+        need = [b for b, p in enumerate(self.host_pos) if p % BLOCK_SIZE == 0]
         while len(need) > len(self.pool.free):
             self._retract(1)
             need = [b for b in need if b < len(self.reqs)]
@@ -373,9 +372,8 @@ class TorchEngine:
             blocks = [self.pool.free.pop() for _ in need]
             for b, blk in zip(need, blocks):
                 self.reqs[b].blocks.append(blk)
-            rows = torch.tensor(need, dtype=torch.long)
-            cols = self.host_pos[rows] // BLOCK_SIZE
-            self.table[rows.to(self.device), cols.to(self.device)] = torch.tensor(blocks, device=self.device)
+            rows, cols = torch.tensor([(b, self.host_pos[b] // BLOCK_SIZE) for b in need], device=self.device).T
+            self.table[rows, cols] = torch.tensor(blocks, device=self.device)
 
     def _admit(self):
         """Waiting requests that fit now, oldest first: a free row, blocks for their context and first
@@ -433,12 +431,12 @@ class TorchEngine:
                             for k in range(1, len(by_copy))]
         ends = torch.tensor(starts[1:], device=dev) - 1  # each distinct context's last token
         self.stats["prefill_tokens"] += len(ids)
-        self.pool.keys = None
+        self.pool.keys, self.pool.packed = None, Packed.of(pos[None], device=dev)  # grouped on the host: no read back
         with self.lock:
             hidden = self.model(ids[None], position_ids=pos.to(dev)[None], cache=self.pool, return_hidden=True, keep=ends)
             logits = self.model.lm_head(hidden[0])[torch.tensor([u for u, _ in copy], device=dev)]
             self.step_version = self.version
-        self.pool.copies = []
+        self.pool.copies, self.pool.packed = [], None
         n = len(new)
         seeds = torch.tensor([r.seed for r in new], device=dev)
         base = torch.tensor([len(r.tokens) for r in new], device=dev)
@@ -452,7 +450,7 @@ class TorchEngine:
                      seeds=seeds, base=base, buf=buf, status=self._status(tok, lp, ones, left), table=table.to(dev))
         for name in self._ROW_STATE:
             setattr(self, name, torch.cat((getattr(self, name), state[name])))
-        self.host_pos = torch.cat((self.host_pos, torch.tensor([len(c) for c in ctxs])))
+        self.host_pos += [len(c) for c in ctxs]
         self.reqs += new
 
     def _status(self, tok, lp, ngen, left):
@@ -462,7 +460,7 @@ class TorchEngine:
     def _decode(self):
         """One token for every running row. Rows already done (a first token that was a stop) ride along
         until the read; they sample, but nothing is recorded for them."""
-        Lk = int(self.host_pos.max()) + 1
+        Lk = max(self.host_pos) + 1
         p = torch.arange(Lk, device=self.device)[None] - (Lk - 1) + self.pos[:, None]  # [B, Lk]: key positions, left-padded
         valid = p >= 0
         p = p.clamp_min(0)
@@ -480,7 +478,7 @@ class TorchEngine:
         self.ngen = self.ngen + live.long()
         self.status = torch.where(live, self._status(tok, lp, self.ngen, self.left), self.status)
         self.last, self.pos = tok, self.pos + 1
-        self.host_pos = self.host_pos + 1
+        self.host_pos = [p + 1 for p in self.host_pos]
 
 
 # ----------------------------------------------------------------------------- the SGLang engine

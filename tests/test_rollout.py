@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
 from data import PromptStream, make_tiny_tokenizer
@@ -154,6 +155,72 @@ def test_shared_prefill_writes_every_requests_keys(dtype):
             assert torch.equal(t[B:B + 3], t[:3]) and torch.equal(t[2 * B:2 * B + 3], t[:3])
 
 
+class HostReads(TorchDispatchMode):
+    """Records each op that makes the host wait for a GPU: reading a value (item, int, bool: aten's
+    _local_scalar_dense) and ops whose output size depends on the data (nonzero, boolean indexing,
+    masked_select, unique, repeat_interleave without output_size). tolist, cpu and numpy, which do not
+    dispatch on a CPU tensor, are patched to record too."""
+    SYNCS = ("_local_scalar_dense", "nonzero", "masked_select", "unique")
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.seen, self.paused = [], 0
+        for name in ("tolist", "cpu", "numpy"):
+            method = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _m=method, _n=name, **k: self.note(_n) or _m(t, *a, **k))
+
+    def note(self, name):
+        if not self.paused:
+            self.seen.append(name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__
+        data_sized = (name.startswith("repeat_interleave") and (kwargs or {}).get("output_size") is None
+                      or name.startswith("index.") and any(i is not None and i.dtype == torch.bool for i in args[1]))
+        if name.split(".")[0] in self.SYNCS or data_sized:
+            self.note(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_host_read_per_iteration(monkeypatch):
+    """Host work per step: an iteration (admission, prefill, decode step, sampling, finished rows) reads
+    the device once, in _read; the finished rows' tokens travel with it (_land reads the copies that
+    arrived). Nothing else in a step waits on the device: not the block bookkeeping, the prefill's
+    packing (grouped from host positions: Packed.of(..., device=)), DSA's top-k, the sampler (top-p too)
+    or the stop check. Prompts of different lengths finish at different steps, so rows leave and
+    waiting requests join mid-call."""
+    model = tiny_model({"topk": 2, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
+    engine = TorchEngine(model, max_batch=4)
+    reads = HostReads(monkeypatch)
+    reads.paused = 1  # watched: inside a step, outside the sanctioned read and host-side packing
+
+    def around(method, delta, tag=None):  # delta -1: watch inside the call, +1: do not
+        def wrapped(*a, **k):
+            reads.paused += delta
+            try:
+                return method(*a, **k)
+            finally:
+                reads.paused -= delta
+                if tag:
+                    reads.seen.append(tag)
+        return wrapped
+
+    def packed_of(positions, device=None, _of=rollout.Packed.of):  # grouping host positions is host work
+        return (around(_of, +1) if device is not None else _of)(positions, device=device)
+    monkeypatch.setattr(TorchEngine, "_step", around(TorchEngine._step, -1))
+    monkeypatch.setattr(TorchEngine, "_read", around(TorchEngine._read, +1, tag="_read"))
+    monkeypatch.setattr(TorchEngine, "_land", around(TorchEngine._land, +1))
+    monkeypatch.setattr(rollout.Packed, "of", packed_of)
+    prompts = [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10], [11], [12, 13]] * 2
+    sampling = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=n, stop_token_ids=(3,))
+                for n in (2, 9, 5, 17, 3, 6) * 2]
+    with reads:
+        out = engine.generate(prompts, sampling, seed=0)
+    assert [c.finish_reason for c in out].count("length") > 0 and engine.stats["prefills"] > 1
+    assert engine.stats["retracted"] == 0
+    assert reads.seen == ["_read"] * engine.stats["iterations"]
+
+
 def slow(engine, delay=0.02):
     forward = engine.model.forward
     engine.model.forward = lambda *a, **k: (time.sleep(delay), forward(*a, **k))[1]
@@ -231,8 +298,8 @@ def test_weights_land_between_batches(staleness):
         gen.stop()
     resumed = make_generator(staleness)
     resumed = Generator(resumed.engine, resumed.stream, resumed.tokenizer, prompts_per_step=2, n=2,
-                        sampling=resumed.sampling, max_staleness=staleness, dynamic_sampling=False, chat_template=True,
-                        max_prompt_tokens=32, first_index=4, ready=kept)
+                        sampling=resumed.sampling, max_staleness=staleness, dynamic_sampling=False, oversample=0.0,
+                        chat_template=True, max_prompt_tokens=32, first_index=4, ready=kept)
     assert resumed.index == 4 + staleness and [resumed.get(timeout=1).index for _ in kept] == [b.index for b in kept]
 
 
