@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from data import eval_metrics, math_reward, render_prompt
@@ -258,7 +259,7 @@ class TorchEngine:
         self.seeds, self.base, self.buf = (torch.zeros(0, **long) for _ in range(3))
         self.status = torch.zeros(0, dtype=torch.long, device=dev)
         self.table = torch.zeros(0, blocks, **long)
-        self.host_pos = []  # = pos as Python ints: block bookkeeping on the host reads nothing from the device
+        self.host_pos = np.zeros(0, dtype=np.int64)  # = pos, in numpy: block bookkeeping never reads the device
 
     def _close(self):
         self.waiting, self.reqs, self.landing, self.finished = collections.deque(), [], [], []
@@ -268,7 +269,7 @@ class TorchEngine:
 
     def _keep_rows(self, keep: list[int]):
         """Compact the running rows to `keep` (batch indices), in that order."""
-        self.host_pos = [self.host_pos[i] for i in keep]
+        self.host_pos = self.host_pos[keep]
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         for name in self._ROW_STATE:
             setattr(self, name, getattr(self, name)[idx])
@@ -316,8 +317,8 @@ class TorchEngine:
         (It waits for the device, so the tokens released by the iteration before have landed too.)"""
         if not self.reqs:
             self._land(wait=True)
-            return [[], [], []]
-        return torch.stack((self.status, self.ngen, self.buf)).cpu().tolist()
+            return np.zeros((3, 0), dtype=np.int64)
+        return torch.stack((self.status, self.ngen, self.buf)).cpu().numpy()
 
     # ------------------------------------------------------------------------- one iteration
 
@@ -348,11 +349,11 @@ class TorchEngine:
         if self.reqs:
             self._decode()
         host = self._read()
-        if 2 in host[0]:
+        if (host[0] == 2).any():
             raise FloatingPointError(f"generator: non-finite logits at weight version {self.step_version} "
                                      "(the published weights overflow: lower the learning rate?)")
         self._land()  # what the last iteration released has arrived: the read above waited for it
-        done = [b for b, s in enumerate(host[0]) if s]
+        done = np.flatnonzero(host[0]).tolist()
         if done:
             self._release(done, "done", host)
 
@@ -364,7 +365,7 @@ class TorchEngine:
 
     def _grow(self):
         """A block for every running row whose next token starts one; retract the newest rows if short."""
-        need = [b for b, p in enumerate(self.host_pos) if p % BLOCK_SIZE == 0]
+        need = np.flatnonzero(self.host_pos % BLOCK_SIZE == 0).tolist()
         while len(need) > len(self.pool.free):
             self._retract(1)
             need = [b for b in need if b < len(self.reqs)]
@@ -372,7 +373,8 @@ class TorchEngine:
             blocks = [self.pool.free.pop() for _ in need]
             for b, blk in zip(need, blocks):
                 self.reqs[b].blocks.append(blk)
-            rows, cols = torch.tensor([(b, self.host_pos[b] // BLOCK_SIZE) for b in need], device=self.device).T
+            rows = torch.tensor(need, device=self.device)
+            cols = torch.from_numpy(self.host_pos[need] // BLOCK_SIZE).to(self.device)
             self.table[rows, cols] = torch.tensor(blocks, device=self.device)
 
     def _admit(self):
@@ -450,7 +452,7 @@ class TorchEngine:
                      seeds=seeds, base=base, buf=buf, status=self._status(tok, lp, ones, left), table=table.to(dev))
         for name in self._ROW_STATE:
             setattr(self, name, torch.cat((getattr(self, name), state[name])))
-        self.host_pos += [len(c) for c in ctxs]
+        self.host_pos = np.concatenate((self.host_pos, [len(c) for c in ctxs]))
         self.reqs += new
 
     def _status(self, tok, lp, ngen, left):
@@ -460,7 +462,7 @@ class TorchEngine:
     def _decode(self):
         """One token for every running row. Rows already done (a first token that was a stop) ride along
         until the read; they sample, but nothing is recorded for them."""
-        Lk = max(self.host_pos) + 1
+        Lk = int(self.host_pos.max()) + 1
         p = torch.arange(Lk, device=self.device)[None] - (Lk - 1) + self.pos[:, None]  # [B, Lk]: key positions, left-padded
         valid = p >= 0
         p = p.clamp_min(0)
@@ -478,7 +480,7 @@ class TorchEngine:
         self.ngen = self.ngen + live.long()
         self.status = torch.where(live, self._status(tok, lp, self.ngen, self.left), self.status)
         self.last, self.pos = tok, self.pos + 1
-        self.host_pos = [p + 1 for p in self.host_pos]
+        self.host_pos = self.host_pos + 1
 
 
 # ----------------------------------------------------------------------------- the SGLang engine
