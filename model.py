@@ -119,9 +119,9 @@ def rope_cos_sin(position_ids, dim, theta, width):
     (-sin_i, +sin_i); the last width - dim dims pass unchanged (cos 1, sin 0)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim)
     angles = position_ids[..., None].float() * inv_freq  # [B, T, dim/2]
-    sign = torch.tensor([-1.0, 1.0], device=position_ids.device)
     cos = angles.cos().repeat_interleave(2, -1)
-    sin = (angles.sin()[..., None] * sign).flatten(-2)
+    sin = angles.sin()
+    sin = torch.stack((-sin, sin), -1).flatten(-2)  # built on the device: no host copy (a sync on CUDA)
     rest = width - dim
     return F.pad(cos, (0, rest), value=1.0), F.pad(sin, (0, rest), value=0.0)
 
@@ -137,6 +137,17 @@ def apply_rope(x, cos, sin):
 
 
 # ----------------------------------------------------------------------------- masks and cache
+
+def to_device(data, device, dtype=None):
+    """Host data (a list, a numpy array or a CPU tensor) on `device`, without making the host wait. On CUDA a
+    copy from ordinary (pageable) host memory first waits for everything queued on the device, one sync per
+    call; from pinned memory it is queued like a kernel (the caching host allocator keeps the buffer until the
+    copy has run). The engine's per-step bookkeeping goes through here."""
+    t = torch.as_tensor(data, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
 
 @dataclass
 class AttnMask:
@@ -215,10 +226,10 @@ class Packed:
             src = st[:, None] + torch.minimum(slot, ln[:, None] - 1)  # [n, L]: padding repeats the last token
             real = slot < ln[:, None]  # [n, L]
             back[src[real]] = offset + torch.arange(real.numel()).view(real.shape)[real]
-            groups.append((src.to(device), AttnMask(torch.arange(L, device=device), L, real=real.to(device))))
+            groups.append((to_device(src, device), AttnMask(torch.arange(L, device=device), L, real=to_device(real, device))))
             share.append(int(ln.sum()) / N)
             offset, i = offset + real.numel(), j
-        return cls(groups, back.to(device), share)
+        return cls(groups, to_device(back, device), share)
 
     @staticmethod
     def take(t, src):

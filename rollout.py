@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from data import eval_metrics, math_reward, render_prompt
-from model import GLM, Packed, PagedKVCache, hf_name
+from model import GLM, Packed, PagedKVCache, hf_name, to_device
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
@@ -270,7 +270,7 @@ class TorchEngine:
     def _keep_rows(self, keep: list[int]):
         """Compact the running rows to `keep` (batch indices), in that order."""
         self.host_pos = self.host_pos[keep]
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        idx = to_device(keep, self.device, torch.long)
         for name in self._ROW_STATE:
             setattr(self, name, getattr(self, name)[idx])
         self.reqs = [self.reqs[i] for i in keep]
@@ -279,7 +279,7 @@ class TorchEngine:
         """Take rows out of the batch: their tokens since admission (host: [2, B] status and ngen as read)
         join their requests' lists; finished ones (finish set) are yielded, the others (retracted) go back
         to the front of the queue. Blocks and buffer rows are free at once."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = to_device(rows, self.device, torch.long)
         bufs = self.buf[idx]
         snap = (self.out_tok[bufs].to("cpu", non_blocking=True), self.out_lp[bufs].to("cpu", non_blocking=True))
         batch = []
@@ -373,9 +373,8 @@ class TorchEngine:
             blocks = [self.pool.free.pop() for _ in need]
             for b, blk in zip(need, blocks):
                 self.reqs[b].blocks.append(blk)
-            rows = torch.tensor(need, device=self.device)
-            cols = torch.from_numpy(self.host_pos[need] // BLOCK_SIZE).to(self.device)
-            self.table[rows, cols] = torch.tensor(blocks, device=self.device)
+            rows, cols = to_device(np.stack((need, self.host_pos[need] // BLOCK_SIZE)), self.device)
+            self.table[rows, cols] = to_device(blocks, self.device, torch.long)
 
     def _admit(self):
         """Waiting requests that fit now, oldest first: a free row, blocks for their context and first
@@ -422,34 +421,37 @@ class TorchEngine:
         # the row's token ids, positions restarting at 0 per context, the slots of each context's first
         # request [T]; then per further copy, its requests' slots and the row tokens they take keys from
         dev = self.device
-        ids = torch.tensor([t for c in uniq for t in c], device=dev)
+        ids = to_device([t for c in uniq for t in c], dev, torch.long)
         pos = torch.tensor([p for c in uniq for p in range(len(c))])
         by_copy = collections.defaultdict(list)
         for r, (u, k) in zip(new, copy):
             by_copy[k].append((r, u))
-        self.pool.slots = torch.tensor([s for r, u in by_copy[0] for s in slots_of(r, len(uniq[u]))], device=dev)
-        self.pool.copies = [(torch.tensor([s for r, u in by_copy[k] for s in slots_of(r, len(uniq[u]))], device=dev),
-                             torch.tensor([starts[u] + p for r, u in by_copy[k] for p in range(len(uniq[u]))], device=dev))
+        self.pool.slots = to_device([s for r, u in by_copy[0] for s in slots_of(r, len(uniq[u]))], dev, torch.long)
+        self.pool.copies = [(to_device([s for r, u in by_copy[k] for s in slots_of(r, len(uniq[u]))], dev, torch.long),
+                             to_device([starts[u] + p for r, u in by_copy[k] for p in range(len(uniq[u]))], dev, torch.long))
                             for k in range(1, len(by_copy))]
-        ends = torch.tensor(starts[1:], device=dev) - 1  # each distinct context's last token
+        ends = to_device(starts[1:], dev, torch.long) - 1  # each distinct context's last token
+        pick = to_device([u for u, _ in copy], dev, torch.long)  # each request's context
         self.stats["prefill_tokens"] += len(ids)
         self.pool.keys, self.pool.packed = None, Packed.of(pos[None], device=dev)  # grouped on the host: no read back
-        with self.lock:
-            hidden = self.model(ids[None], position_ids=pos.to(dev)[None], cache=self.pool, return_hidden=True, keep=ends)
-            logits = self.model.lm_head(hidden[0])[torch.tensor([u for u, _ in copy], device=dev)]
-            self.step_version = self.version
-        self.pool.copies, self.pool.packed = [], None
+        try:
+            with self.lock:
+                hidden = self.model(ids[None], position_ids=to_device(pos, dev)[None], cache=self.pool, return_hidden=True,
+                                    keep=ends)
+                logits = self.model.lm_head(hidden[0])[pick]
+                self.step_version = self.version
+        finally:  # the next forward must not see this one's groups or copies
+            self.pool.copies, self.pool.packed = [], None
         n = len(new)
-        seeds = torch.tensor([r.seed for r in new], device=dev)
-        base = torch.tensor([len(r.tokens) for r in new], device=dev)
-        left = torch.tensor([r.max_new - len(r.tokens) for r in new], device=dev)
+        seeds, base, left, buf = to_device([[r.seed for r in new], [len(r.tokens) for r in new],
+                                            [r.max_new - len(r.tokens) for r in new],
+                                            [self.free_bufs.pop() for _ in new]], dev, torch.long)
         tok, lp = sample_tokens(logits, self.sampling, sample_keys(seeds, base))
-        buf = torch.tensor([self.free_bufs.pop() for _ in new], device=dev)
         self.out_tok[buf, 0], self.out_lp[buf, 0] = tok, lp
         table = torch.tensor([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in new], dtype=torch.long)
         ones = torch.ones(n, dtype=torch.long, device=dev)
-        state = dict(last=tok, pos=torch.tensor([len(c) for c in ctxs], device=dev), ngen=ones, left=left,
-                     seeds=seeds, base=base, buf=buf, status=self._status(tok, lp, ones, left), table=table.to(dev))
+        state = dict(last=tok, pos=to_device([len(c) for c in ctxs], dev, torch.long), ngen=ones, left=left,
+                     seeds=seeds, base=base, buf=buf, status=self._status(tok, lp, ones, left), table=to_device(table, dev))
         for name in self._ROW_STATE:
             setattr(self, name, torch.cat((getattr(self, name), state[name])))
         self.host_pos = np.concatenate((self.host_pos, [len(c) for c in ctxs]))
@@ -468,10 +470,12 @@ class TorchEngine:
         p = p.clamp_min(0)
         keys = self.table.gather(1, p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE
         self.pool.keys, self.pool.key_valid, self.pool.slots = keys, valid, keys[:, -1]
-        with self.lock:
-            logits = self.model(self.last[:, None], position_ids=self.pos[:, None], cache=self.pool)[:, -1]
-            self.step_version = self.version
-        self.pool.keys = None
+        try:
+            with self.lock:
+                logits = self.model(self.last[:, None], position_ids=self.pos[:, None], cache=self.pool)[:, -1]
+                self.step_version = self.version
+        finally:
+            self.pool.keys = None
         tok, lp = sample_tokens(logits, self.sampling, sample_keys(self.seeds, self.base + self.ngen))
         live = self.status == 0
         col = self.ngen.clamp_max(self.out_tok.shape[1] - 1)

@@ -226,6 +226,18 @@ def test_keep_gives_the_kept_positions_outputs_and_gradients(pair, autocast):
     for n in grads:
         assert rel_err(grads[n], ref_grads[n]) < (5e-2 if autocast else 1e-5), n
 
+def test_to_device_copies_host_data():
+    """model.to_device: lists, numpy arrays and CPU tensors arrive with their values (and the dtype asked
+    for); on CUDA through pinned memory, without waiting (the engine's per-step copies)."""
+    import numpy as np
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for data in ([3, 1, 2], np.array([3, 1, 2]), torch.tensor([3, 1, 2])):
+            t = model.to_device(data, device, torch.long)
+            assert t.device.type == device and t.dtype == torch.long and t.tolist() == [3, 1, 2]
+        assert model.to_device(np.zeros((2, 0), dtype=np.int64), device).shape == (2, 0)
+
+
 def test_packed_groups():
     """model.Packed: every token appears once in its group at its own position, padding only at the
     right end of a sequence; rows of several sequences (B > 1) too."""

@@ -159,7 +159,9 @@ class HostReads(TorchDispatchMode):
     """Records each op that makes the host wait for a GPU: reading a value (item, int, bool: aten's
     _local_scalar_dense) and ops whose output size depends on the data (nonzero, boolean indexing,
     masked_select, unique, repeat_interleave without output_size). tolist, cpu and numpy, which do not
-    dispatch on a CPU tensor, are patched to record too."""
+    dispatch on a CPU tensor, are patched to record too, and so are host-to-device copies that would wait
+    on CUDA: torch.tensor / as_tensor straight onto a device, and Tensor.to(device) without non_blocking
+    (model.to_device pins and does not wait)."""
     SYNCS = ("_local_scalar_dense", "nonzero", "masked_select", "unique")
 
     def __init__(self, monkeypatch):
@@ -168,6 +170,17 @@ class HostReads(TorchDispatchMode):
         for name in ("tolist", "cpu", "numpy"):
             method = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _m=method, _n=name, **k: self.note(_n) or _m(t, *a, **k))
+        for name in ("tensor", "as_tensor"):
+            make = getattr(torch, name)
+            monkeypatch.setattr(torch, name, lambda *a, _m=make, _n=name, **k: (k.get("device") is not None
+                                                                                 and self.note(_n + "(device=)")) or _m(*a, **k))
+        to = torch.Tensor.to
+
+        def to_device(t, *a, **k):
+            if (k.get("device") is not None or any(isinstance(x, (str, torch.device)) for x in a)) and not k.get("non_blocking"):
+                self.note("to(device)")
+            return to(t, *a, **k)
+        monkeypatch.setattr(torch.Tensor, "to", to_device)
 
     def note(self, name):
         if not self.paused:
@@ -186,8 +199,8 @@ def test_one_host_read_per_iteration(monkeypatch):
     """Host work per step: an iteration (admission, prefill, decode step, sampling, finished rows) reads
     the device once, in _read; the finished rows' tokens travel with it (_land reads the copies that
     arrived). Nothing else in a step waits on the device: not the block bookkeeping, the prefill's
-    packing (grouped from host positions: Packed.of(..., device=)), DSA's top-k, the sampler (top-p too)
-    or the stop check. Prompts of different lengths finish at different steps, so rows leave and
+    packing (grouped from host positions: Packed.of(..., device=)), the copies of host lists to the device
+    (model.to_device), RoPE's tables, DSA's top-k, the sampler (top-p too) or the stop check. Prompts of different lengths finish at different steps, so rows leave and
     waiting requests join mid-call."""
     model = tiny_model({"topk": 2, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
     engine = TorchEngine(model, max_batch=4)
