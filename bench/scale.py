@@ -1,8 +1,9 @@
 """
 The learner step and the generator at GLM-Z1-9B-0414's width on a GPU: a 9B-shaped model cut to a few
-layers (random weights made on the device, nothing downloaded), learner tokens/s and peak memory of
-train.rl_step, the time to publish the weights to the engine, and TorchEngine's prefill time and
-decode tokens/s. Writes the "scale" section of docs/benchmarks.md with --write.
+layers (random weights made on the device, nothing downloaded), learner tokens/s, MFU and peak memory
+of train.rl_step, the time to publish the weights to the engine, and TorchEngine's prefill time and
+decode tokens/s at several batch sizes with their fraction of the HBM roofline. Writes the "scale"
+section of docs/benchmarks.md with --write.
 
     python bench/scale.py --device cuda --layers 4 --write             # one GPU: learner, then generator
     python bench/scale.py --device cuda --layers 4 --dsa               # DSA layers (topk 2048, FSSS)
@@ -15,6 +16,15 @@ Its batch is synthetic: --samples sequences (groups of 4) of --prompt + --respon
 rewards, generator logprobs of -1. Under torchrun each rank trains its share of the same global batch
 and generates its own --gen-batch; every rank's generator sits on its learner's GPU (train.py puts it on
 another GPU of the pair), so publishing here is a same-device copy, not a GPU-to-GPU transfer.
+
+MFU: model FLOPs per second over the GPU's dense bf16 peak (--peak-tflops, else from the device name).
+Model FLOPs per trained token: 6 x the decoder layers' matmul parameters, 12 x layers x heads x head_dim
+x the mean causal context (attention scores and values), and 6 x vocab x hidden for response tokens
+(lm_head runs there only); the recomputation of gradient checkpointing is not counted, as is usual.
+Decode roofline: a step must read the bf16 weights once and each row's keys and values (its mean context
+over the run), so tokens/s <= rows x HBM bandwidth / those bytes (--hbm-tbps, else from the device
+name). The 40-layer estimate assumes the cut model's fraction of its roofline holds at full depth: the
+per-layer work is the same, and the embedding and lm_head weigh less there.
 """
 import argparse
 import gc
@@ -36,8 +46,11 @@ from model import GLM, GLMConfig  # noqa: E402
 from rollout import RolloutBatch, Sample, SamplingParams, TorchEngine  # noqa: E402
 
 # Defaults per preset; a flag given on the command line wins. --tiny keeps the CPU run under ~1 GB.
-FULL = dict(layers=4, samples=32, prompt=256, response=1024, tokens=16384, gen_batch=64, new_tokens=512, steps=3)
-TINY = dict(layers=2, samples=8, prompt=32, response=64, tokens=256, gen_batch=8, new_tokens=16, steps=2)
+FULL = dict(layers=4, samples=32, prompt=256, response=1024, tokens=16384, gen_batch="64,128,256", new_tokens=512,
+            steps=3)
+TINY = dict(layers=2, samples=8, prompt=32, response=64, tokens=256, gen_batch="4,8", new_tokens=16, steps=2)
+# Dense bf16 peak TFLOP/s and HBM TB/s by device name (NVIDIA's data sheets; SXM parts); others: give the flags.
+GPUS = {"H200": (989, 4.8), "H100 NVL": (835, 3.9), "H100 PCIe": (756, 2.0), "H100": (989, 3.35), "A100": (312, 2.0)}
 TINY_SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=32, pad_token_id=0, eos_token_id=[1])
 DSA = dict(topk=2048, heads=32, head_dim=128, rope_dim=64, pattern="FSSS")  # configs/glm9b_math.yaml's example
@@ -47,6 +60,13 @@ TINY_DSA = dict(topk=16, heads=4, head_dim=32, rope_dim=16, pattern="FS")
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def peak_and_bandwidth(device, args):
+    """(dense bf16 peak TFLOP/s, HBM TB/s) of the device: the flags, else GPUS by name; None where unknown."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    known = next((v for k, v in GPUS.items() if k in name), (None, None))
+    return args.peak_tflops or known[0], args.hbm_tbps or known[1]
 
 
 def peak_gib(device):
@@ -67,7 +87,9 @@ def main():
     ap.add_argument("--prompt", type=int, help="prompt tokens (learner sequences and generator prompts)")
     ap.add_argument("--response", type=int, help="response tokens of each learner sequence")
     ap.add_argument("--tokens", type=int, help="optim.max_tokens_per_micro_batch")
-    ap.add_argument("--gen-batch", type=int, help="prompts decoded together (rollout.max_batch)")
+    ap.add_argument("--gen-batch", help="prompts decoded together (rollout.max_batch), comma-separated sizes")
+    ap.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the device, for MFU")
+    ap.add_argument("--hbm-tbps", type=float, help="memory bandwidth of the device, for the decode roofline")
     ap.add_argument("--new-tokens", type=int, help="tokens generated per prompt (no stop tokens)")
     ap.add_argument("--steps", type=int, help="timed learner steps (after one warm-up step)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md (section scale)")
@@ -75,6 +97,7 @@ def main():
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    batches = [int(b) for b in str(args.gen_batch).split(",")]
     if args.write and args.tiny:
         sys.exit("error: --tiny is a smoke test; its numbers do not go into docs/benchmarks.md")
     world_env = int(os.environ.get("WORLD_SIZE", 1))
@@ -90,7 +113,7 @@ def main():
                                   **(TINY_SHAPE if args.tiny else {})))
     cfg = config.load_config(os.path.join(ROOT, "configs", "glm9b_math.yaml"), [
         f"optim.max_tokens_per_micro_batch={args.tokens}", f"train.parallel={args.parallel}",
-        f"rollout.max_batch={args.gen_batch}"])
+        f"rollout.max_batch={max(batches)}"])
 
     # ---- learner: as train.train_rl builds it (every rank makes the same weights from the same seed)
     torch.manual_seed(0)
@@ -122,14 +145,21 @@ def main():
         sync(device)
         step_s.append(time.perf_counter() - t0)
     tokens = sum(parallel.all_gather(m["train/tokens"]))  # the global batch
+    L, layers_mm = args.prompt + args.response, sum(p.numel() for n, p in model.named_parameters()
+                                                     if n.startswith("layers.") and p.dim() == 2 and ".indexer." not in n)
+    ctx = sum(min(t + 1, arch.dsa.topk) if arch.dsa else t + 1 for t in range(L))  # keys each query scores, summed
+    step_flops = args.samples * (6 * layers_mm * L + 12 * arch.num_layers * arch.num_heads * arch.head_dim * ctx
+                                 + 6 * arch.vocab_size * arch.hidden_size * args.response)
     step = max(parallel.all_gather(statistics.median(step_s[1:])))  # ranks step together: the slowest decides
     learner_mem = peak_gib(device)
+    peak, _ = peak_and_bandwidth(device, args)
+    mfu = f"{step_flops / step / (peak * 1e12 * world):.1%}" if peak else "n/a"
 
     # ---- generator: a second copy in the engine's dtype (rollout.make_engine: bf16 on cuda, fp32 on CPU)
     gen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         gen_model = GLM(arch).to(gen_dtype)
-    engine = TorchEngine(gen_model.to_empty(device=device), max_batch=args.gen_batch)
+    engine = TorchEngine(gen_model.to_empty(device=device), max_batch=max(batches))
     engine.update_weights(parallel.full_weights(learner, gen_dtype), 0)  # fills the empty copy (and warms up)
     publish_s = []
     for version in range(1, 4):
@@ -143,18 +173,39 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
-    prompts = [torch.randint(0, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(args.gen_batch)]
-    engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=2), seed=rank)  # warm-up
-    times = {}
-    for n in (1, args.new_tokens):  # 1 new token = the prefill (plus one sampling step)
-        sync(device)
-        t0 = time.perf_counter()
-        out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=n, stop_token_ids=()), seed=rank)
-        sync(device)
-        times[n] = time.perf_counter() - t0
-        assert all(len(c.token_ids) == n for c in out)  # no stop tokens: every row runs to the limit
-    decode = args.gen_batch * (args.new_tokens - 1) / (times[args.new_tokens] - times[1])
-    gen_mem = peak_gib(device)
+    peak, hbm = peak_and_bandwidth(device, args)
+    weight_bytes = sum(p.numel() * p.element_size() for p in gen_model.parameters())
+    layer_bytes = sum(p.numel() * p.element_size() for n, p in gen_model.named_parameters() if n.startswith("layers."))
+    if not arch.tie_word_embeddings:  # a step reads B rows of the embedding table, not the table
+        weight_bytes -= gen_model.embed_tokens.weight.numel() * gen_model.embed_tokens.weight.element_size()
+    context = args.prompt + args.new_tokens / 2  # a row's mean context over the run
+    bf16 = torch.finfo(gen_dtype).bits // 8
+    kv_read = arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * bf16 * (
+        min(context, arch.dsa.topk) if arch.dsa else context)  # per row per step (DSA: its top-k keys)
+    if arch.dsa:  # and the indexer keys of every position, on F layers
+        kv_read += arch.dsa.layer_kinds(arch.num_layers).count("F") * arch.dsa.head_dim * bf16 * context
+    gen = []
+    for B in batches:
+        engine.max_batch = B
+        prompts = [torch.randint(0, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(B)]
+        engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=2), seed=rank)  # warm-up, pool sized
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = {}
+        for n in (1, args.new_tokens):  # 1 new token = the prefill (plus one sampling step)
+            sync(device)
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=n, stop_token_ids=()), seed=rank)
+            sync(device)
+            times[n] = time.perf_counter() - t0
+            assert all(len(c.token_ids) == n for c in out)  # no stop tokens: every row runs to the limit
+        decode = B * (args.new_tokens - 1) / (times[args.new_tokens] - times[1])
+        roof = roof40 = None
+        if hbm:
+            roof = B * hbm * 1e12 / (weight_bytes + B * kv_read)
+            full = 40 / arch.num_layers  # the published depth: layers' weights and KV scale, the rest stays
+            roof40 = B * hbm * 1e12 / (weight_bytes + (full - 1) * layer_bytes + B * kv_read * full)
+        gen.append((B, times, decode, roof, roof40, peak_gib(device)))
 
     if rank != 0:
         return
@@ -173,18 +224,21 @@ def main():
         f"{args.samples} sequences of {args.prompt} + {args.response} tokens per step, micro-batches of up "
         f"to {args.tokens} tokens, median of {args.steps} steps after a warm-up; tokens/s counts prompt and "
         f"response tokens of the global batch. Publish: full_weights into a {str(gen_dtype)[6:]} TorchEngine "
-        f"copy on the same device, median of 3. Generator: {args.gen_batch} prompts of {args.prompt} tokens, "
+        f"copy on the same device, median of 3. Generator: {args.gen_batch} rows of {args.prompt}-token prompts, "
         f"{args.new_tokens} new tokens each at temperature 1 (no stop), on one {device.type} (rank 0); prefill = "
         f"a 1-token generate; its peak memory (weights, KV cache, activations) is measured after the learner is "
-        f"freed. Memory is rank 0's, per device.",
+        f"freed. Memory is rank 0's, per device. MFU and the roofline (bf16 peak {peak or 'n/a'} TFLOP/s, HBM "
+        f"{hbm or 'n/a'} TB/s) as the script's docstring says.",
         "",
-        "| part | time | tokens / s | peak memory |",
-        "|---|---:|---:|---|",
-        f"| learner rl_step | {step:.2f} s / step | {tokens / step:.0f} | {learner_mem} |",
-        f"| publish weights | {statistics.median(publish_s) * 1e3:.1f} ms | | |",
-        f"| generator prefill | {times[1]:.3f} s | {args.gen_batch * args.prompt / times[1]:.0f} | |",
-        f"| generator decode | {times[args.new_tokens] - times[1]:.2f} s | {decode:.0f} | {gen_mem} |",
+        "| part | time | tokens / s | MFU or roofline | peak memory |",
+        "|---|---:|---:|---|---|",
+        f"| learner rl_step | {step:.2f} s / step | {tokens / step:.0f} | MFU {mfu} | {learner_mem} |",
+        f"| publish weights | {statistics.median(publish_s) * 1e3:.1f} ms | | | |",
     ]
+    for B, times, decode, roof, roof40, mem in gen:
+        share = f"{decode / roof:.0%} of {roof:.0f}; at 40 layers ~{decode / roof * roof40:.0f}" if roof else "n/a"
+        lines += [f"| generator prefill, {B} rows | {times[1]:.3f} s | {B * args.prompt / times[1]:.0f} | | |",
+                  f"| generator decode, {B} rows | {times[args.new_tokens] - times[1]:.2f} s | {decode:.0f} | {share} | {mem} |"]
     table = "\n".join(lines)
     print(table, flush=True)
     if args.write:
