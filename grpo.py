@@ -30,7 +30,7 @@ importance weight is already in it. The off-policy corrections act on that misma
           in-band tokens keep their importance weight w (GLM-5, IcePop, slime's icepop_function).
 Log-ratios are clamped to +-20 before exp: one token the policies disagree on wildly must give a huge
 but finite number, never inf. Whole samples that are too stale are dropped before any of this
-(`fresh_mask`), and groups whose rewards all agree have A = 0 and teach nothing (`informative_groups`,
+(`fresh_mask`), and groups whose rewards all agree have A = 0 and teach nothing (`informative`,
 dynamic sampling).
 
 Shapes: B sequences (one per row, right padded), T tokens; `mask` is 1 on response tokens.
@@ -82,11 +82,10 @@ def group_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
     return adv.view(-1)
 
 
-def informative_groups(rewards, group_size):
-    """[N] bool: rows whose group has at least two different rewards. The others have A = 0 for
+def informative(rewards) -> bool:
+    """A group (its samples' rewards) with at least two different rewards. The others have A = 0 for
     every token, so they cost compute and shrink the effective batch; DAPO drops them and refills."""
-    r = torch.as_tensor(rewards).view(-1, group_size)  # [num_groups, G]
-    return (r != r[:, :1]).any(dim=1).repeat_interleave(group_size)
+    return len(set(rewards)) > 1
 
 
 def fresh_mask(sample_versions, current_version, max_staleness):

@@ -496,8 +496,8 @@ class GLM(nn.Module):
         self.apply(init_weights)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | PagedKVCache | None = None,
-                last_only=False, indexer_loss=None, return_hidden=False, keep=None):
-        """input_ids [B, T] -> logits [B, T, vocab] (or [B, K, vocab] with keep, [B, 1, vocab] with last_only).
+                indexer_loss=None, return_hidden=False, keep=None):
+        """input_ids [B, T] -> logits [B, T, vocab] (or [B, K, vocab] with keep).
 
         position_ids [B, T]: without a cache (or in a PagedKVCache prefill), the rows are packed: positions
             restart at 0 where each sequence starts, and no token attends across sequences (model.Packed);
@@ -509,8 +509,8 @@ class GLM(nn.Module):
             learner applies lm_head in chunks to keep [T, vocab] logits out of memory).
         keep: the positions [K] (a LongTensor or a slice along T) whose outputs are wanted, the others
             serving only as context (a prompt, the token after the last scored one): the last block's
-            output projection and MLP, the final norm and lm_head run on those alone. last_only is
-            keep=[T-1].
+            output projection and MLP, the final norm and lm_head run on those alone (a decode step's
+            last token: keep=slice(-1, None)).
         """
         B, T = input_ids.shape
         device = input_ids.device
@@ -548,8 +548,6 @@ class GLM(nn.Module):
             # selections match the generator's (an fp32 stream here alone flips top-k keys and costs memory).
             x = x.to(torch.get_autocast_dtype(device.type))
         selected, kls = None, []  # top-k choice flows from each F layer to the S layers after it
-        if last_only:
-            keep = slice(T - 1, T)
         for i, block in enumerate(self.layers):
             args = (x, rope, mask, paged or cache, selected, indexer_loss, keep if i == len(self.layers) - 1 else None)
             if self.gradient_checkpointing and torch.is_grad_enabled():

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import grpo
 from data import eval_metrics, math_reward, render_prompt
 from model import GLM, Packed, PagedKVCache, hf_name, to_device
 
@@ -815,7 +816,7 @@ class Generator:
                 return None
             for g in groups:
                 generated += g
-                (spare if self.dynamic_sampling and not informative(g) else kept).append(g)
+                (spare if self.dynamic_sampling and not grpo.informative([s.reward for s in g]) else kept).append(g)
             cancelled += len(prompts) - len(groups)
         surplus = kept[self.prompts_per_step:]  # an engine that cannot stream finishes every over-sampled prompt
         kept = kept[:self.prompts_per_step]
@@ -863,7 +864,7 @@ class Generator:
                 for i, c in results:
                     comps[i] = c
                     grade_ready()
-                    if sum(map(informative, done)) >= need:
+                    if sum(grpo.informative([s.reward for s in g]) for g in done) >= need:
                         return done
         else:
             comps = self.engine.generate(flat, self.sampling, seed=seed)
@@ -877,11 +878,6 @@ class Generator:
             return None
         grade_ready()
         return done
-
-
-def informative(group) -> bool:
-    """A group whose rewards differ: GRPO's advantages are non-zero, so it teaches something."""
-    return len({s.reward for s in group}) > 1
 
 
 def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, chat_template: bool,

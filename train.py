@@ -92,7 +92,8 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     # sequence's positions P-1 .. P+R-2. Only those are kept past the last block's attention (the others
     # are context only), and only they ever meet the [hidden, vocab] head.
     starts = [s + p - 1 for s, (_, p) in zip(itertools.accumulate([0] + lengths), rows)]
-    where = spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device) if logprobs else None  # [N]
+    where = (spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device) if logprobs
+             else torch.zeros(0, dtype=torch.long, device=device))  # [N]; none for the indexer alone
     out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True, keep=where)
     hidden, kl = out if indexer_loss is not None else (out, None)  # [1, N, hidden]
     if not logprobs:

@@ -75,7 +75,7 @@ class StaticEngine:
             ids[i, P - len(p):], mask[i, P - len(p):] = torch.tensor(p), 1
         pos = (mask.cumsum(1) - 1).clamp_min(0)
         cache = KVCache(self.model.cfg, B, P + longest, self.device, next(self.model.parameters()).dtype)
-        logits = self.model(ids, position_ids=pos, attention_mask=mask, cache=cache, last_only=True)[:, -1]
+        logits = self.model(ids, position_ids=pos, attention_mask=mask, cache=cache, keep=slice(-1, None))[:, -1]
         tokens, logps, finish = [[] for _ in range(B)], [[] for _ in range(B)], [None] * B
         alive, next_pos = torch.arange(B), pos[:, -1] + 1
         stop = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long)

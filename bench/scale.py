@@ -104,6 +104,7 @@ def main():
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if args.device == "cuda" and world_env > 1
                           else args.device)
     parallel.init_processes(device)  # torchrun: NCCL on GPUs, gloo on CPU; nothing in one process
+    peak, hbm = peak_and_bandwidth(device, args)
     rank, world = parallel.rank(), parallel.world()
     if args.samples % (4 * world):
         sys.exit(f"error: --samples {args.samples} must be whole groups of 4 on each of {world} ranks")
@@ -152,7 +153,6 @@ def main():
                                  + 6 * arch.vocab_size * arch.hidden_size * args.response)
     step = max(parallel.all_gather(statistics.median(step_s[1:])))  # ranks step together: the slowest decides
     learner_mem = peak_gib(device)
-    peak, _ = peak_and_bandwidth(device, args)
     mfu = f"{step_flops / step / (peak * 1e12 * world):.1%}" if peak else "n/a"
 
     # ---- generator: a second copy in the engine's dtype (rollout.make_engine: bf16 on cuda, fp32 on CPU)
@@ -173,7 +173,6 @@ def main():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
-    peak, hbm = peak_and_bandwidth(device, args)
     weight_bytes = sum(p.numel() * p.element_size() for p in gen_model.parameters())
     layer_bytes = sum(p.numel() * p.element_size() for n, p in gen_model.named_parameters() if n.startswith("layers."))
     if not arch.tie_word_embeddings:  # a step reads B rows of the embedding table, not the table

@@ -98,9 +98,8 @@ def test_group_advantages_hand_formula():
         grpo.group_advantages(torch.zeros(5), 2)
 
 
-def test_informative_groups():
-    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
-    assert grpo.informative_groups(rewards, 3).tolist() == [False] * 3 + [True] * 3 + [False] * 3
+def test_informative():
+    assert [grpo.informative(g) for g in ([1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0] * 3, [0.5])] == [False, True, False, False]
 
 
 def test_fresh_mask():
