@@ -76,6 +76,9 @@ class RolloutConfig:
     # Token slots of the torch engine's paged KV pool (rows take blocks as they grow; when it is full the
     # newest rows wait, prefilled again later). null: max_batch x (max_prompt_tokens + longest response)
     kv_cache_tokens: int | None = None
+    # The torch engine on a GPU replays each decode step as a CUDA graph (rollout.DecodeGraphs: buckets of
+    # rows and keys, captured on first use, checked against eager; an eager fallback). A CPU decodes eagerly.
+    cuda_graphs: bool = True
     engine: str = "torch"  # torch: our engine (runs DSA) | sglang: SGLang's (optional extra, dense checkpoints, GPU)
     sglang_mem_fraction: float = 0.8  # engine: sglang only: share of the generator GPU for weights + KV cache
 
@@ -147,7 +150,7 @@ SAFE_ON_RESUME = {
     "run_dir", "train.rl_steps", "train.eval_every", "train.eval_n", "train.eval_max_new_tokens",
     "train.eval_temperature", "train.eval_greedy", "train.save_every", "train.keep_checkpoints",
     "train.learner_device", "train.generator_device", "data.eval", "data.eval_size", "rollout.max_batch",
-    "rollout.kv_cache_tokens",
+    "rollout.kv_cache_tokens", "rollout.cuda_graphs",
     "rollout.sglang_mem_fraction", "optim.max_tokens_per_micro_batch", "optim.max_skipped_steps",
     "model.gradient_checkpointing", "model.dsa_kernels",
 }
@@ -420,7 +423,7 @@ def plan_memory(cfg: Config, processes):
                        gradient_checkpointing=cfg.model.gradient_checkpointing,
                        trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
-                       kv_cache_tokens=r.kv_cache_tokens, group_size=max(r.n, t.eval_n),
+                       kv_cache_tokens=r.kv_cache_tokens, cuda_graphs=r.cuda_graphs, group_size=max(r.n, t.eval_n),
                        generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,

@@ -264,6 +264,9 @@ class KVCache:
         return store[i][:, :end]
 
 
+BLOCK_SIZE = 16  # token slots per KV block (the engine's PagedKVCache): a sequence wastes under one block
+
+
 class PagedKVCache:
     """The engine's KV memory (rollout.TorchEngine): per layer one pool of token slots, keys and values
     [N, Hkv, D] (and indexer keys [N, d_I] on DSA `F` layers), handed to sequences in blocks of block_size
@@ -279,16 +282,18 @@ class PagedKVCache:
       - decode: input [B, 1], one new token per row. `slots` [B] receive them, and `keys` [B, Lk] lists
         each row's slots in position order, left-padded (`key_valid` False there), the new token last.
         Attention.paged_decode reads the pool through them, so DSA's "earlier key wins" ties follow
-        positions in the sequence, as in the learner's forward, never slot numbers."""
+        positions in the sequence, as in the learner's forward, never slot numbers.
+        One block more than num_blocks is allocated and never handed out: its first slot, `scratch`, is
+        where the padding rows of a CUDA-graph bucket (rollout.DecodeGraphs) write and read."""
 
     def __init__(self, cfg: GLMConfig, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
-        N = num_blocks * block_size
+        N = (num_blocks + 1) * block_size
         self.k = [torch.zeros(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         kinds = cfg.dsa.layer_kinds(cfg.num_layers) if cfg.dsa else "." * cfg.num_layers
         self.index_k = [torch.zeros(N, cfg.dsa.head_dim, device=device, dtype=dtype) if kind == "F" else None
                         for kind in kinds]
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.scratch = num_blocks, block_size, num_blocks * block_size
         self.free = list(range(num_blocks - 1, -1, -1))  # free block ids; pop() hands out the lowest first
         self.slots = self.keys = self.key_valid = self.packed = None  # set by the engine before each forward
         self.copies = []
@@ -852,14 +857,14 @@ def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad, kernels):
 def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
                 gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
                 generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
-                kv_cache_tokens: int | None = None, prefill_tokens: int = 4096, group_size: int = 1,
+                kv_cache_tokens: int | None = None, cuda_graphs: bool = False, prefill_tokens: int = 4096, group_size: int = 1,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
                 dsa_kernels: bool = True) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
     up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
     (None: every row at full length), prefills of prefill_tokens whose contexts the group_size samples of a
-    prompt share; "sglang": its share of the GPU). logit_chunk:
+    prompt share; cuda_graphs: decode steps replayed as CUDA graphs; "sglang": its share of the GPU). logit_chunk:
     response tokens per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch
     keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA runs dsa_triton's
     kernels (dsa.USE_TRITON)."""
@@ -936,8 +941,9 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # (calls take turns, rollout.py). Per row: a block table, its tokens and logprobs so far, and each decode
     # step's key slots [B, S]. Its transients: a prefill (one packed row of at most prefill_tokens, or one
     # longer context alone) or a decode step (logits and the sampler's hashed noise [B, V], DSA's scores).
+    # With CUDA graphs the graphs' memory pool keeps a decode forward at B rows for good.
     B, S = generator_batch, generator_max_len
-    T = kv_cache_tokens or B * S
+    T = (-(-(kv_cache_tokens or B * S) // BLOCK_SIZE) + 1) * BLOCK_SIZE  # whole blocks, and the scratch block
     kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0))
     if engine == "sglang":
         generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P + 2 * P32)]
@@ -952,20 +958,28 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                                    + int(pad * (2 * (HD + 2 * KD) + 2 * HD + 4 * H)),  # + the groups' q, k, v, out, LSE
                                    3 * 4 * h)  # or RMSNorm's fp32 temps
                        + 16 * (group_size - 1) + 2 * KD)  # the copies' (slot, source) pairs; one copy's keys
-        # sampling: bf16 logits [B, V], then fp32, / temperature, log_softmax, exp; the noise's int64 hashes
-        decode = int(4.5 * B * V * 4) + 3 * B * V * 8
+        # A decode step: the forward's bf16 logits [B, V] (with DSA the rows' indexer keys gathered [B, S, d_I] and
+        # their scores); then sampling: fp32 logits, / temperature, log_softmax, exp, and the noise's int64 hashes
+        dsa_decode = 0
+        if cfg.dsa is not None and cfg.dsa.topk < S:
+            dsa_decode = 2 * B * S * cfg.dsa.head_dim + _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
+        sampling = 4 * B * V * 4 + 3 * B * V * 8
         if cfg.dsa is not None and cfg.dsa.topk < M:
             prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
-        if cfg.dsa is not None and cfg.dsa.topk < S:  # the rows' indexer keys gathered [B, S, d_I], their scores
-            decode += 2 * B * S * cfg.dsa.head_dim + _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
-        name, peak = max([(f"prefill of {M} packed tokens", prefill), ("one decode step's logits and noise (and DSA scores)",
-                                                                        decode)], key=lambda t: t[1])
+        steps = [(f"prefill of {M} packed tokens", prefill)]
         rows = B * (S // 16 + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
         generator = [("bf16 weights (indexer weights_proj, k_norm fp32)", 2 * P + 2 * P32),
                      (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
-                     (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows),
-                     (f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
+                     (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
+        if cuda_graphs:  # the graphs' pool holds the largest bucket's forward for good; static buffers beside it
+            generator += [(f"CUDA graphs' pool: a decode forward of {B} rows", 2 * B * V + 2 * B * (h + 2 * I) + dsa_decode),
+                          (f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]", B * (S * 9 + 16) + 2 * B * V)]
+            steps.append(("a decode step's sampling (fp32 logits, noise)", sampling))
+        else:
+            steps.append(("a decode step (logits, DSA scores, sampling)", 2 * B * V + dsa_decode + sampling))
+        name, peak = max(steps, key=lambda t: t[1])
+        generator += [(f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
     settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
                     reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,
-                    generator_batch=B, generator_max_len=S, kv_token=kv_token, kv_cache_tokens=T)
+                    generator_batch=B, generator_max_len=S, kv_token=kv_token, kv_cache_tokens=T, cuda_graphs=cuda_graphs)
     return MemoryPlan(P, learner, generator, settings)

@@ -32,6 +32,7 @@ import queue
 import random
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +40,7 @@ import torch
 
 import grpo
 from data import eval_metrics, math_reward, render_prompt
-from model import GLM, Packed, PagedKVCache, hf_name, to_device
+from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, hf_name, to_device
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
@@ -67,7 +68,6 @@ class Completion:
 
 # ----------------------------------------------------------------------------- the torch engine
 
-BLOCK_SIZE = 16  # token slots per KV block: a sequence wastes under one block
 PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most (a longer context goes alone)
 # While rows are decoding, waiting requests are admitted once this fraction of max_batch rows is free (or
 # every waiting request fits): a prefill costs a forward whatever its size, so rows that free up one at a
@@ -152,7 +152,8 @@ class TorchEngine:
 
     Host work: the running rows' state (next token, position, block table, tokens and logprobs so far,
     done flags) stays on the device; an iteration reads back only the rows' status and counts, once, and
-    a finished row's tokens travel in bulk, landing by the next iteration's read.
+    a finished row's tokens travel in bulk, landing by the next iteration's read. graphs=True: the decode
+    forward runs as a CUDA graph of a padded bucket (DecodeGraphs; on a CPU, the same buckets eagerly).
 
     Sampling is per request (sample_tokens: noise from a hash of the request's seed and step), so a fixed
     seed gives the same tokens whatever the batch composition, retraction or re-prefill. Calls take turns
@@ -165,9 +166,11 @@ class TorchEngine:
     completion records the (oldest, newest) versions it spans. The engine owns its model: it is put in
     eval mode and frozen, so never hand it the learner's."""
 
-    def __init__(self, model: GLM, max_batch: int = 64, kv_tokens: int | None = None, reprefill: bool = False):
+    def __init__(self, model: GLM, max_batch: int = 64, kv_tokens: int | None = None, reprefill: bool = False,
+                 graphs: bool = False):
         self.model = model.eval().requires_grad_(False)
-        self.max_batch, self.kv_tokens, self.reprefill = max_batch, kv_tokens, reprefill
+        self.max_batch, self.kv_tokens, self.reprefill, self.use_graphs = max_batch, kv_tokens, reprefill, graphs
+        self.graphs = None  # DecodeGraphs for the current pool, when graphs
         self.version = 0
         self.lock = threading.Lock()  # held for one forward or one weight update
         self.call_lock = threading.Lock()  # held for a whole call: its requests own the pool
@@ -176,7 +179,8 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.pool = None  # the PagedKVCache, made by the first call that needs it
-        self.stats = {"iterations": 0, "prefills": 0, "prefill_tokens": 0, "retracted": 0}  # for tests and benchmarks
+        self.stats = {"iterations": 0, "prefills": 0, "prefill_tokens": 0, "retracted": 0,  # for tests and benchmarks
+                      "graph_steps": 0}
 
     # ------------------------------------------------------------------------- calls
 
@@ -241,8 +245,11 @@ class TorchEngine:
         if self.kv_tokens is not None and blocks > need:
             raise ValueError(f"rollout.kv_cache_tokens ({self.kv_tokens}) cannot hold one sequence of {longest} tokens")
         if self.pool is None or self.pool.num_blocks < need:
-            self.pool = None  # free the old pool first
+            self.pool = self.graphs = None  # free the old pool (and the graphs that read it) first
             self.pool = PagedKVCache(self.model.cfg, need, BLOCK_SIZE, self.device, self.dtype)
+        if self.use_graphs and (self.graphs is None or self.graphs.max_keys < longest):
+            self.graphs = None
+            self.graphs = DecodeGraphs(self.model, self.pool, self.max_batch, longest, capture=self.device.type == "cuda")
         self.pool.free = list(range(self.pool.num_blocks - 1, -1, -1))
         dev, B, W = self.device, self.max_batch, max((r.max_new for r in reqs), default=1)
         # Token buffers: row b of the batch writes its j-th token since admission at out_*[buf[b], j].
@@ -466,17 +473,22 @@ class TorchEngine:
         """One token for every running row. Rows already done (a first token that was a stop) ride along
         until the read; they sample, but nothing is recorded for them."""
         Lk = int(self.host_pos.max()) + 1
+        Bg, Lk = self.graphs.bucket(len(self.reqs), Lk) if self.graphs else (None, Lk)  # a graph's shape: more keys
         p = torch.arange(Lk, device=self.device)[None] - (Lk - 1) + self.pos[:, None]  # [B, Lk]: key positions, left-padded
         valid = p >= 0
         p = p.clamp_min(0)
         keys = self.table.gather(1, p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE
-        self.pool.keys, self.pool.key_valid, self.pool.slots = keys, valid, keys[:, -1]
-        try:
-            with self.lock:
-                logits = self.model(self.last[:, None], position_ids=self.pos[:, None], cache=self.pool)[:, -1]
-                self.step_version = self.version
-        finally:
-            self.pool.keys = None
+        with self.lock:
+            if Bg:
+                logits = self.graphs.run(self.last, self.pos, keys, valid, Bg)
+                self.stats["graph_steps"] += 1
+            else:
+                self.pool.keys, self.pool.key_valid, self.pool.slots = keys, valid, keys[:, -1]
+                try:
+                    logits = self.model(self.last[:, None], position_ids=self.pos[:, None], cache=self.pool)[:, -1]
+                finally:
+                    self.pool.keys = None
+            self.step_version = self.version
         tok, lp = sample_tokens(logits, self.sampling, sample_keys(self.seeds, self.base + self.ngen))
         live = self.status == 0
         col = self.ngen.clamp_max(self.out_tok.shape[1] - 1)
@@ -486,6 +498,105 @@ class TorchEngine:
         self.status = torch.where(live, self._status(tok, lp, self.ngen, self.left), self.status)
         self.last, self.pos = tok, self.pos + 1
         self.host_pos = self.host_pos + 1
+
+
+# ----------------------------------------------------------------------------- CUDA graphs for decode
+
+# Bucket sizes: rows 1, 2, 4, 8, then every GRAPH_ROW_STEP up to max_batch; keys GRAPH_MIN_KEYS, doubling up to
+# the longest sequence. A step runs as the smallest bucket that holds it.
+GRAPH_ROW_STEP = 16
+GRAPH_MIN_KEYS = 256
+
+
+class DecodeGraphs:
+    """The decode forward as CUDA graphs, one per bucket of (rows, keys). Eager decoding pays Python's and
+    the launch's overhead for each of a layer's few dozen kernels, every step, while the GPU waits for
+    them; a replay launches the whole forward at once.
+
+    A graph has fixed shapes, so a step of B rows whose longest holds Lk keys runs as the smallest bucket
+    (Bg >= B rows, Lg >= Lk keys), padded: the engine left-pads every row's key list to Lg (masked, as
+    any row's left padding), and the Bg - B padding rows feed token 0 at position 0, reading and writing
+    the pool's scratch slot only. The inputs are copied into static buffers (one set, sized for the
+    largest bucket, which every bucket views), the graph runs, and the logits land in one [max_batch, V]
+    buffer; every bucket shares one memory pool, as steps never overlap.
+
+    A bucket is captured on the first step that needs it: an eager run of the same padded inputs (Triton
+    compiles its kernels, cuBLAS picks its algorithms), the capture, then a replay whose logits must match
+    the eager run's to a few roundings (a guard against a capture gone wrong: on a mismatch, or an error
+    while capturing, the engine decodes eagerly from then on, with a warning). The capture's errors are
+    thread-local, so the learner's thread beside it may use its own GPU meanwhile. Weight updates copy in
+    place, so graphs stay valid; a new pool (a call with longer sequences) gets new graphs. With
+    capture=False (a CPU, in tests) the same padded forward runs eagerly."""
+
+    def __init__(self, model: GLM, pool: PagedKVCache, max_batch: int, max_keys: int, capture: bool):
+        self.model, self.pool, self.capture, self.max_keys = model, pool, capture, max_keys
+        self.rows = sorted({b for b in (1, 2, 4, 8) if b < max_batch} | set(range(GRAPH_ROW_STEP, max_batch, GRAPH_ROW_STEP))
+                           | {max_batch})
+        dev, long = pool.k[0].device, dict(dtype=torch.long, device=pool.k[0].device)
+        self.tok, self.pos = torch.zeros(max_batch, 1, **long), torch.zeros(max_batch, 1, **long)
+        self.keys = torch.zeros(max_batch * max_keys, **long)  # viewed as [Bg, Lg] (contiguous) by each bucket
+        self.valid = torch.zeros(max_batch * max_keys, dtype=torch.bool, device=dev)
+        self.logits = torch.zeros(max_batch, model.cfg.vocab_size, dtype=pool.k[0].dtype, device=dev)
+        self.graphs, self.mempool, self.failed = {}, None, False
+
+    def bucket(self, B: int, Lk: int):
+        """The (rows, keys) shape a step of B rows and Lk keys runs as."""
+        Bg = next(b for b in self.rows if b >= B)
+        Lg = GRAPH_MIN_KEYS
+        while Lg < Lk:
+            Lg *= 2
+        return Bg, min(Lg, self.max_keys)
+
+    def run(self, tok, pos, keys, valid, Bg):
+        """tok, pos [B]; keys, valid [B, Lg] (a bucket's width) -> logits [B, V] of the padded forward."""
+        B, Lg = keys.shape
+        self.tok[:B, 0], self.pos[:B, 0] = tok, pos
+        self.tok[B:Bg], self.pos[B:Bg] = 0, 0
+        k, v = self.keys[:Bg * Lg].view(Bg, Lg), self.valid[:Bg * Lg].view(Bg, Lg)
+        k[:B], v[:B] = keys, valid
+        k[B:], v[B:] = self.pool.scratch, False
+        v[B:, -1] = True  # a padding row sees its own (scratch) slot: finite, and nobody else's
+        if not self.capture or self.failed:
+            self._forward(Bg, Lg)
+        elif (Bg, Lg) in self.graphs:
+            self.graphs[Bg, Lg].replay()
+        else:
+            self._capture(Bg, Lg)
+        return self.logits[:B]
+
+    def _forward(self, Bg, Lg):
+        """The captured work: the model on the static buffers, logits into self.logits."""
+        pool = self.pool
+        pool.keys, pool.key_valid = self.keys[:Bg * Lg].view(Bg, Lg), self.valid[:Bg * Lg].view(Bg, Lg)
+        pool.slots = pool.keys[:, -1]
+        try:
+            self.logits[:Bg] = self.model(self.tok[:Bg], position_ids=self.pos[:Bg], cache=pool)[:, -1]
+        finally:
+            pool.keys = None
+
+    def _capture(self, Bg, Lg):
+        self._forward(Bg, Lg)  # warm-up, and the reference this bucket's replay must reproduce
+        eager = self.logits[:Bg].clone()
+        try:
+            with torch.cuda.device(self.logits.device):  # capture on the engine's GPU, whatever is current
+                if self.mempool is None:
+                    self.mempool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+                    self._forward(Bg, Lg)
+                graph.replay()
+            diff = (self.logits[:Bg].float() - eager.float()).abs().max().item()
+        except RuntimeError as e:  # eager from now on; this step keeps the warm-up's logits
+            diff, why = float("inf"), f"{type(e).__name__}: {e}".splitlines()[0]
+        else:
+            why = f"its replay's logits differ from eager by {diff:.3g}"
+        if diff > 4 * torch.finfo(eager.dtype).eps * eager.abs().max().item():  # a few roundings of the largest
+            self.failed = True
+            self.logits[:Bg] = eager
+            warnings.warn(f"rollout.cuda_graphs: capturing the decode of {Bg} rows x {Lg} keys failed ({why}); "
+                          "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
+        else:
+            self.graphs[Bg, Lg] = graph
 
 
 # ----------------------------------------------------------------------------- the SGLang engine
@@ -902,4 +1013,5 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int):
     model = GLM.from_pretrained(model_dir, dsa=dsa, device=device)
     # when weights land is the Generator's choice; what rows in flight then do, the engine's
     return TorchEngine(model, max_batch=rollout.max_batch, kv_tokens=rollout.kv_cache_tokens,
-                       reprefill=rollout.update_mode == "reprefill")
+                       reprefill=rollout.update_mode == "reprefill",
+                       graphs=rollout.cuda_graphs and torch.device(device).type == "cuda")

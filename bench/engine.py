@@ -3,11 +3,13 @@ Generation throughput of rollout.TorchEngine (continuous batching over a paged K
 transformers' `generate` and against the static-batch engine it replaced (kept below as StaticEngine,
 a benchmark baseline only), on the same model and batch size, side by side in one run.
 
-    python bench/engine.py            # prints the table (a few minutes on 2 CPU cores)
-    python bench/engine.py --write    # and rewrites its section of docs/benchmarks.md
+    python bench/engine.py                      # prints the table (a few minutes on 2 CPU cores)
+    python bench/engine.py --write              # and rewrites its section of docs/benchmarks.md
+    python bench/engine.py --dtype bfloat16     # every engine in bf16 weights (the generator's GPU dtype)
 
-Model: dense GLM, 4 layers, hidden 256, 8 heads (2 KV), vocab 512, float32, random weights; sampling at
-temperature 1 with per-token logprobs from every engine. Every engine decodes at most --batch rows at once.
+Model: dense GLM, 4 layers, hidden 256, 8 heads (2 KV), vocab 512, random weights in --dtype (float32; every
+engine the same); sampling at temperature 1 with per-token logprobs from every engine. Every engine decodes
+at most --batch rows at once.
 
 - `uniform`: --batch prompts of 8-32 tokens, 64 new tokens each (no early stop).
 - `rl`: 32 prompts x 8 samples = 256 requests whose response lengths are heavy tailed, as RL's are: 85 %
@@ -169,6 +171,7 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--engines", default="ours,static,hf")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's weights")
     ap.add_argument("--write", action="store_true", help="rewrite the engine section of docs/benchmarks.md")
     args = ap.parse_args()
     from transformers import Glm4ForCausalLM
@@ -176,10 +179,11 @@ def main():
     torch.manual_seed(0)
     cfg = GLMConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8,
                     num_kv_heads=2, head_dim=32, max_position_embeddings=1024)
-    ours = GLM(cfg).eval()
+    dtype = getattr(torch, args.dtype)
+    ours = GLM(cfg).eval().to(dtype)
     with tempfile.TemporaryDirectory() as d:
         ours.save_pretrained(d)
-        hf = Glm4ForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+        hf = Glm4ForCausalLM.from_pretrained(d, dtype=dtype).eval()
     names = {"ours": "TorchEngine, continuous batching (rollout.py)", "static": "static batches (the engine before)",
              "hf": "transformers `generate`"}
     results = {}
@@ -195,10 +199,12 @@ def main():
     engines = args.engines.split(",")
     rows = [f"| {shape} | {names[n]} | {results[shape, n][0]:.2f} | {results[shape, n][1]:.0f} | "
             f"{results[shape, n][1] / results[shape, 'hf'][1]:.2f}x |" for shape in ("uniform", "rl") for n in engines]
-    lines = [f"### Generation engine, continuous batching vs static batches vs transformers ({machine(torch.device('cpu'))})",
+    flag = "" if args.dtype == "float32" else f" --dtype {args.dtype}"
+    lines = [f"### Generation engine, continuous batching vs static batches vs transformers, {args.dtype} "
+             f"({machine(torch.device('cpu'))})",
              "",
-             f"Command: `python bench/engine.py --repeat {args.repeat} --write`. Dense GLM, 4 layers, hidden 256, 8 "
-             f"heads (2 KV), vocab 512, float32; at most {args.batch} rows decode at once in every engine; temperature "
+             f"Command: `python bench/engine.py --repeat {args.repeat}{flag} --write`. Dense GLM, 4 layers, hidden 256, 8 "
+             f"heads (2 KV), vocab 512, {args.dtype} weights in every engine; at most {args.batch} rows decode at once in every engine; temperature "
              f"1, per-token logprobs; median of {args.repeat} rounds after a warm-up, the engines interleaved in each "
              f"round. `uniform`: {args.batch} prompts of 8-32 tokens, 64 new tokens each. `rl`: 256 requests (32 "
              f"prompts x 8), 85 % of responses 8-32 tokens, 15 % 33-256, one of 256; "
@@ -214,7 +220,7 @@ def main():
     table = "\n".join(lines)
     print(table)
     if args.write:
-        write_section(os.path.join(ROOT, "docs/benchmarks.md"), "engine-continuous", table)
+        write_section(os.path.join(ROOT, "docs/benchmarks.md"), "engine-continuous" + flag.replace(" --dtype ", "-"), table)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 The learner step and the generator at GLM-Z1-9B-0414's width on a GPU: a 9B-shaped model cut to a few
 layers (random weights made on the device, nothing downloaded), learner tokens/s, MFU and peak memory
 of train.rl_step, the time to publish the weights to the engine, and TorchEngine's prefill time and
-decode tokens/s at several batch sizes with their fraction of the HBM roofline. Writes the "scale"
+decode tokens/s at several batch sizes (on CUDA eager and as CUDA graphs, side by side) with their
+fraction of the HBM roofline. Writes the "scale"
 section of docs/benchmarks.md with --write.
 
     python bench/scale.py --device cuda --layers 4 --write             # one GPU: learner, then generator
@@ -27,6 +28,7 @@ name). The 40-layer estimate assumes the cut model's fraction of its roofline ho
 per-layer work is the same, and the embedding and lm_head weigh less there.
 """
 import argparse
+import dataclasses
 import gc
 import os
 import resource
@@ -159,7 +161,7 @@ def main():
     gen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         gen_model = GLM(arch).to(gen_dtype)
-    engine = TorchEngine(gen_model.to_empty(device=device), max_batch=max(batches))
+    engine = TorchEngine(gen_model.to_empty(device=device), max_batch=max(batches), graphs=device.type == "cuda")
     engine.update_weights(parallel.full_weights(learner, gen_dtype), 0)  # fills the empty copy (and warms up)
     publish_s = []
     for version in range(1, 4):
@@ -184,27 +186,30 @@ def main():
     if arch.dsa:  # and the indexer keys of every position, on F layers
         kv_read += arch.dsa.layer_kinds(arch.num_layers).count("F") * arch.dsa.head_dim * bf16 * context
     gen = []
-    for B in batches:
-        engine.max_batch = B
-        prompts = [torch.randint(0, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(B)]
-        engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=2), seed=rank)  # warm-up, pool sized
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = {}
-        for n in (1, args.new_tokens):  # 1 new token = the prefill (plus one sampling step)
-            sync(device)
-            t0 = time.perf_counter()
-            out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=n, stop_token_ids=()), seed=rank)
-            sync(device)
-            times[n] = time.perf_counter() - t0
-            assert all(len(c.token_ids) == n for c in out)  # no stop tokens: every row runs to the limit
-        decode = B * (args.new_tokens - 1) / (times[args.new_tokens] - times[1])
-        roof = roof40 = None
-        if hbm:
-            roof = B * hbm * 1e12 / (weight_bytes + B * kv_read)
-            full = 40 / arch.num_layers  # the published depth: layers' weights and KV scale, the rest stays
-            roof40 = B * hbm * 1e12 / (weight_bytes + (full - 1) * layer_bytes + B * kv_read * full)
-        gen.append((B, times, decode, roof, roof40, peak_gib(device)))
+    for B in batches:  # on CUDA each batch size runs eagerly, then as CUDA graphs (rollout.DecodeGraphs)
+        for graphs in (False, True) if device.type == "cuda" else (False,):
+            engine.max_batch, engine.use_graphs, engine.graphs = B, graphs, None
+            prompts = [torch.randint(0, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(B)]
+            sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=())
+            engine.generate(prompts, sampling, seed=rank)  # warm-up: the pool sized, every bucket captured
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            times = {}
+            for n in (1, args.new_tokens):  # 1 new token = the prefill (plus one sampling step)
+                sync(device)
+                t0 = time.perf_counter()
+                out = engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=n), seed=rank)
+                sync(device)
+                times[n] = time.perf_counter() - t0
+                assert all(len(c.token_ids) == n for c in out)  # no stop tokens: every row runs to the limit
+            assert not graphs or (engine.graphs.graphs and not engine.graphs.failed), "CUDA graphs fell back to eager"
+            decode = B * (args.new_tokens - 1) / (times[args.new_tokens] - times[1])
+            roof = roof40 = None
+            if hbm:
+                roof = B * hbm * 1e12 / (weight_bytes + B * kv_read)
+                full = 40 / arch.num_layers  # the published depth: layers' weights and KV scale, the rest stays
+                roof40 = B * hbm * 1e12 / (weight_bytes + (full - 1) * layer_bytes + B * kv_read * full)
+            gen.append((B, graphs, times, decode, roof, roof40, peak_gib(device)))
 
     if rank != 0:
         return
@@ -234,10 +239,11 @@ def main():
         f"| learner rl_step | {step:.2f} s / step | {tokens / step:.0f} | MFU {mfu} | {learner_mem} |",
         f"| publish weights | {statistics.median(publish_s) * 1e3:.1f} ms | | | |",
     ]
-    for B, times, decode, roof, roof40, mem in gen:
+    for B, graphs, times, decode, roof, roof40, mem in gen:
         share = f"{decode / roof:.0%} of {roof:.0f}; at 40 layers ~{decode / roof * roof40:.0f}" if roof else "n/a"
-        lines += [f"| generator prefill, {B} rows | {times[1]:.3f} s | {B * args.prompt / times[1]:.0f} | | |",
-                  f"| generator decode, {B} rows | {times[args.new_tokens] - times[1]:.2f} s | {decode:.0f} | {share} | {mem} |"]
+        lines += [f"| generator prefill, {B} rows | {times[1]:.3f} s | {B * args.prompt / times[1]:.0f} | | |"] * (not graphs)
+        lines += [f"| generator decode, {B} rows, {'CUDA graphs' if graphs else 'eager'} | "
+                  f"{times[args.new_tokens] - times[1]:.2f} s | {decode:.0f} | {share} | {mem} |"]
     table = "\n".join(lines)
     print(table, flush=True)
     if args.write:

@@ -2,6 +2,7 @@
 and the generator thread's staleness gate, dynamic sampling, error surfacing and shutdown; the SGLang
 adapter against a fake sglang module."""
 import asyncio
+import contextlib
 import dataclasses
 import json
 import pickle
@@ -16,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
 from data import PromptStream, make_tiny_tokenizer
-from model import GLM, GLMConfig, hf_name
+from model import GLM, GLMConfig, hf_name, memory_plan
 from rollout import Completion, Generator, SamplingParams, SGLangEngine, TorchEngine, evaluate, sample_tokens
 
 
@@ -68,14 +69,20 @@ def test_hashed_gumbel_sampling_draws_from_the_tempered_distribution(top_p):
                        sample_tokens(logits.expand(3, 12), sampling, keys(3, 9))[0])
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dsa", [None, {"topk": 3, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}])
-def test_greedy_generation_matches_full_forward_reference(dsa, dtype):
+def test_greedy_generation_matches_full_forward_reference(dsa, dtype, graphs, monkeypatch):
     """Batched, left-padded, cached decoding (with DSA: sparse decode beyond top-k) gives the tokens and
     logprobs a naive loop of full forwards without a cache gives, row by row; also in bf16 weights, as
-    the generator runs on a GPU (the same bf16 model on both sides)."""
+    the generator runs on a GPU (the same bf16 model on both sides). graphs: every step runs padded to
+    a CUDA-graph bucket (eagerly on a CPU): 3 rows as 4, key lists as 8, 16 or 22 slots (the longest)."""
+    monkeypatch.setattr(rollout, "GRAPH_MIN_KEYS", 8)
+    shapes, run = [], rollout.DecodeGraphs.run
+    monkeypatch.setattr(rollout.DecodeGraphs, "run", lambda g, tok, pos, keys, valid, Bg:
+                        shapes.append((len(tok), Bg, keys.shape[1])) or run(g, tok, pos, keys, valid, Bg))
     model = tiny_model(dsa).eval().to(dtype)
-    engine = TorchEngine(model, max_batch=2)  # 5 requests, 2 rows: finished rows are refilled
+    engine = TorchEngine(model, max_batch=4 if graphs else 2, graphs=graphs)  # finished rows are refilled
     prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12], [1] * 17, [7]]
     lengths = [8, 3, 6, 5, 20]  # the last one crosses a KV block boundary
     outs = engine.generate(prompts, [SamplingParams(temperature=0, max_new_tokens=n) for n in lengths])
@@ -91,19 +98,24 @@ def test_greedy_generation_matches_full_forward_reference(dsa, dtype):
         # greedy: the engine's token is the reference's argmax, up to ties within the dtype's rounding
         assert (logp.max(-1).values - chosen <= tol).all(), (logp.max(-1).values - chosen)
         assert out.logprobs == pytest.approx(chosen.tolist(), abs=1e-5 if dtype == torch.float32 else 6e-2)
-    assert engine.stats["prefills"] >= 3  # requests were admitted as rows freed up
+    assert engine.stats["prefills"] >= 2  # requests were admitted as rows freed up
     assert len(engine.pool.free) == engine.pool.num_blocks  # every block is back
+    assert engine.stats["graph_steps"] == len(shapes) == (engine.stats["iterations"] - 1 if graphs else 0)
+    if graphs:  # padding rows and left-padded keys were both exercised
+        assert (3, 4, 16) in shapes and {w for _, _, w in shapes} == {8, 16, 22}
 
 
-def test_blocks_run_out_rows_are_retracted_and_continue_exactly():
+@pytest.mark.parametrize("graphs", [False, True])
+def test_blocks_run_out_rows_are_retracted_and_continue_exactly(graphs):
     """A pool too small for every row at once: the newest rows are retracted (blocks freed) and prefilled
     again later from prompt + tokens so far; tokens and logprobs equal those of an unconstrained engine,
-    greedy and sampled (the noise depends on the request and step only)."""
+    greedy and sampled (the noise depends on the request and step only), also with padded graph buckets
+    (the padding rows use the scratch slot, never a block a row could be given)."""
     model = tiny_model({"topk": 3, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
     prompts = [[5, 6, 7], [3, 4], [10, 11, 12, 13], [9, 8]] * 2
     for sampling in (SamplingParams(temperature=0, max_new_tokens=40), SamplingParams(temperature=1.0, max_new_tokens=40)):
         free = TorchEngine(model, max_batch=8).generate(prompts, sampling, seed=3)
-        tight = TorchEngine(model, max_batch=8, kv_tokens=8 * rollout.BLOCK_SIZE)
+        tight = TorchEngine(model, max_batch=8, kv_tokens=8 * rollout.BLOCK_SIZE, graphs=graphs)
         outs = tight.generate(prompts, sampling, seed=3)
         assert tight.stats["retracted"] > 0 and len(tight.pool.free) == tight.pool.num_blocks
         assert [c.token_ids for c in outs] == [c.token_ids for c in free]
@@ -195,15 +207,16 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_one_host_read_per_iteration(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_one_host_read_per_iteration(monkeypatch, graphs):
     """Host work per step: an iteration (admission, prefill, decode step, sampling, finished rows) reads
     the device once, in _read; the finished rows' tokens travel with it (_land reads the copies that
     arrived). Nothing else in a step waits on the device: not the block bookkeeping, the prefill's
     packing (grouped from host positions: Packed.of(..., device=)), the copies of host lists to the device
     (model.to_device), RoPE's tables, DSA's top-k, the sampler (top-p too) or the stop check. Prompts of different lengths finish at different steps, so rows leave and
-    waiting requests join mid-call."""
+    waiting requests join mid-call. graphs: the padding of CUDA-graph buckets adds no read either."""
     model = tiny_model({"topk": 2, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
-    engine = TorchEngine(model, max_batch=4)
+    engine = TorchEngine(model, max_batch=4, graphs=graphs)
     reads = HostReads(monkeypatch)
     reads.paused = 1  # watched: inside a step, outside the sanctioned read and host-side packing
 
@@ -230,7 +243,7 @@ def test_one_host_read_per_iteration(monkeypatch):
     with reads:
         out = engine.generate(prompts, sampling, seed=0)
     assert [c.finish_reason for c in out].count("length") > 0 and engine.stats["prefills"] > 1
-    assert engine.stats["retracted"] == 0
+    assert engine.stats["retracted"] == 0 and (engine.stats["graph_steps"] > 0) == graphs
     assert reads.seen == ["_read"] * engine.stats["iterations"]
 
 
@@ -274,6 +287,84 @@ def test_weight_update_keeps_kv_or_reprefills(reprefill):
     assert [c.token_ids for c in result["out"]] == [c.token_ids for c in ref]
     assert all(c.versions == (0, 1) for c in result["out"])
     assert (engine.stats["retracted"] > 0) == reprefill
+
+
+def graph_engine(model, capture, **kw):
+    """A TorchEngine whose decode graphs (for calls of up to 64 tokens a sequence) capture or not, on any device."""
+    engine = TorchEngine(model, graphs=True, **kw)
+    engine._open([rollout._Request(0, [1], 63, 0)], SamplingParams())
+    engine.graphs.capture = capture
+    return engine
+
+
+def test_graph_capture_falls_back_to_eager_on_a_bad_replay_or_an_error(monkeypatch):
+    """The capture guard, with torch.cuda's graph calls faked on a CPU: a replay whose logits differ from
+    the eager run's (here: one that never ran the forward) or a capture that raises turns graphs off with
+    one warning, and generation goes on eagerly with the tokens of a plain engine."""
+    class Graph:  # "captures" nothing: the logits buffer keeps what the fake capture left there
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def capture(graph, pool, capture_error_mode):
+        yield
+        graphs.logits.zero_()  # what a capture leaves: outputs not computed
+    sp = SamplingParams(temperature=1.0, max_new_tokens=12)
+    ref = TorchEngine(tiny_model()).generate([[1, 2, 3], [4, 5]], sp, seed=5)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    for fake in (capture, lambda graph, pool, capture_error_mode: (_ for _ in ()).throw(RuntimeError("operation not permitted\nmore"))):
+        monkeypatch.setattr(torch.cuda, "graph", fake)
+        engine = graph_engine(tiny_model(), capture=True)  # as if on a GPU
+        graphs = engine.graphs
+        with pytest.warns(RuntimeWarning, match="decoding eagerly from now on") as w:
+            out = engine.generate([[1, 2, 3], [4, 5]], sp, seed=5)
+        assert len(w) == 1 and graphs.failed and graphs.graphs == {} and engine.graphs is graphs
+        assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    assert "RuntimeError: operation not permitted" in str(w[0].message)
+
+
+def test_graph_buffers_are_what_the_memory_plan_counts():
+    """--dry-run's CUDA-graph items against what DecodeGraphs allocates: tokens and positions [B], key slots
+    and masks [B, S], logits [B, V] in the generator's bf16; no such items without graphs."""
+    model = tiny_model().to(torch.bfloat16)
+    B, S = 3, 40
+    engine = TorchEngine(model, max_batch=B, graphs=True)
+    engine._open([rollout._Request(0, [1] * 10, S - 10, 0)], SamplingParams())
+    g = engine.graphs
+    real = sum(t.numel() * t.element_size() for t in (g.tok, g.pos, g.keys, g.valid, g.logits))
+    plan = memory_plan(model.cfg, learner_gpus=1, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
+                       trainable_indexer=False, reference=False, generator_batch=B, generator_max_len=S,
+                       max_new_tokens=30, engine="torch", cuda_graphs=True)
+    assert dict(plan.generator)[f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]"] == real
+    assert not any("CUDA graphs" in item for item, _ in memory_plan(
+        model.cfg, **{**dict(learner_gpus=1, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
+                         trainable_indexer=False, reference=False, generator_batch=B, generator_max_len=S,
+                         max_new_tokens=30, engine="torch")}).generator)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dsa", [None, {"topk": 3, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}])
+def test_cuda_graph_replays_give_the_eager_tokens(dsa, monkeypatch):
+    """On a GPU, bf16: captured and replayed decode steps give exactly the tokens and logprobs of the same
+    padded buckets run eagerly (fixed seed, sampled), every bucket passes the capture guard, and a weight
+    update mid-call reaches the graphs (they read the weights in place)."""
+    monkeypatch.setattr(rollout, "GRAPH_MIN_KEYS", 8)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=24)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12], [1] * 17, [7]] * 3
+    outs = []
+    for capture in (False, True):
+        engine = graph_engine(tiny_model(dsa).to("cuda", torch.bfloat16), capture, max_batch=6)
+        outs.append(engine.generate(prompts, sp, seed=9))
+    assert not engine.graphs.failed and len(engine.graphs.graphs) >= 4
+    assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
+    assert [c.logprobs for c in outs[0]] == [c.logprobs for c in outs[1]]
+    new = tiny_model(dsa, seed=1).to("cuda", torch.bfloat16)
+    engine.update_weights(((n, p.detach()) for n, p in new.named_parameters()), version=1)
+    after = engine.generate(prompts, sp, seed=9)
+    fresh = graph_engine(tiny_model(dsa, seed=1).to("cuda", torch.bfloat16), False, max_batch=6)
+    assert [c.token_ids for c in after] == [c.token_ids for c in fresh.generate(prompts, sp, seed=9)]
 
 
 def make_generator(max_staleness, reward_fn=None, dynamic=False, n=2, engine=None):
