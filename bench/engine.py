@@ -37,6 +37,7 @@ sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig, KVCache  # noqa: E402
 from rollout import Completion, SamplingParams, TorchEngine  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
 class StaticEngine:
@@ -152,6 +153,31 @@ def engine_runner(engine, work):
     return run
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the ATen ops that run inside it (each one a call from Python into a kernel, on a CPU)."""
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def engine_facts(model, work, batch):
+    """One `rl` run of our engine: its iterations and prefills, and the ATen ops of a decode step (the
+    median over the run's steps; the same at any number of rows)."""
+    engine, ops = TorchEngine(model, max_batch=batch), []
+
+    def counted(decode=engine._decode):
+        with OpCount() as c:
+            decode()
+        ops.append(c.ops)
+    engine._decode = counted
+    engine_runner(engine, work)()
+    return engine.stats["iterations"], engine.stats["prefills"], statistics.median(ops)
+
+
 def timed(fns, repeat):
     """Median seconds of each function over `repeat` rounds after a warm-up, run interleaved (one call of
     each per round), so that drift on the machine hits every engine alike."""
@@ -215,8 +241,11 @@ def main():
              "| workload | engine | s | new tokens / s | vs transformers |",
              "|---|---|---:|---:|---:|"] + rows
     if "ours" in engines and "static" in engines:
+        iterations, prefills, ops = engine_facts(ours, workloads(cfg, args.batch)["rl"], args.batch)
         lines += ["", f"On `rl`, continuous batching is {results['rl', 'ours'][1] / results['rl', 'static'][1]:.2f}x "
-                      f"the static engine and {results['rl', 'ours'][1] / results['rl', 'hf'][1]:.2f}x transformers."]
+                      f"the static engine and {results['rl', 'ours'][1] / results['rl', 'hf'][1]:.2f}x transformers. "
+                      f"It runs {iterations} iterations ({prefills} with a prefill); a decode step is {ops:.0f} ATen "
+                      f"ops (forward and sampling), whatever its rows."]
     table = "\n".join(lines)
     print(table)
     if args.write:
