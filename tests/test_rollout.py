@@ -367,6 +367,33 @@ def test_cuda_graph_replays_give_the_eager_tokens(dsa, monkeypatch):
     assert [c.token_ids for c in after] == [c.token_ids for c in fresh.generate(prompts, sp, seed=9)]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_prefill_and_decode_never_wait_for_the_device(graphs, monkeypatch):
+    """On a GPU, with CUDA's sync debug mode set to "error" around every prefill and decode step (forward,
+    sampling, bookkeeping): nothing there waits for the device; the iteration's one read is outside them.
+    A first call captures the graphs (capture synchronizes), the second, watched, replays them."""
+    engine = TorchEngine(tiny_model({"topk": 3, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}).to(
+        "cuda", torch.bfloat16), max_batch=4, graphs=graphs)
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12], [1] * 17, [7]] * 2
+    sp = [SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=n) for n in (8, 3, 6, 5, 20) * 2]
+    first = engine.generate(prompts, sp, seed=2)
+
+    def watched(method):
+        def run(*a, **k):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return method(*a, **k)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+    monkeypatch.setattr(engine, "_prefill", watched(engine._prefill))
+    monkeypatch.setattr(engine, "_decode", watched(engine._decode))
+    steps = engine.stats["graph_steps"]
+    assert [c.token_ids for c in engine.generate(prompts, sp, seed=2)] == [c.token_ids for c in first]
+    assert (engine.stats["graph_steps"] > steps) == graphs
+
+
 def make_generator(max_staleness, reward_fn=None, dynamic=False, n=2, engine=None):
     tok = make_tiny_tokenizer()
     examples = [{"prompt": f"{a}+1=", "label": str(a + 1)} for a in range(10)]
