@@ -36,7 +36,7 @@ class ModelConfig:
     dsa: dict | None = None  # dsa.DSAConfig fields (topk, heads, head_dim, rope_dim, pattern); null: the checkpoint's own
     tokenizer: str | None = None  # a tokenizer directory; null: the checkpoint's (with init: the synthetic task's)
     gradient_checkpointing: bool = False  # recompute each block in backward: less learner memory, ~1/3 more compute
-    dsa_kernels: bool = True  # on CUDA, DSA runs the Triton kernels of dsa_triton.py (false: dsa.py's PyTorch)
+    dsa_kernels: bool = True  # on CUDA, DSA and the engine's sampler run dsa_triton.py's kernels (false: PyTorch)
 
 
 @dataclass

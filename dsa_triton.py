@@ -1,10 +1,12 @@
 """
-Triton kernels for DeepSeek Sparse Attention (dsa.py is the specification; these compute the same things).
+Triton kernels for DeepSeek Sparse Attention (dsa.py is the specification; these compute the same things),
+and the engine's fused sampler (rollout.sample_tokens is its specification).
 
     index_scores(q, w, k, q_slot=None)          -> fp32 [B, c, Tk]   the lightning indexer, heads fused
     sparse_attention(q, k, v, idx, valid, scale, return_probs=False)
                                                  -> out [B, Tq, H, D] (, probs [B, Tq, K] fp32)
     sparse_attention_fwd(q, k, v, idx, valid, scale) -> (out, lse [B, Tq, H] fp32), no autograd
+    sample(logits, temperature, keys)           -> tokens [B], logprobs [B] fp32   hashed Gumbel-max sampling
     available(t)                                 -> whether these kernels can run on t's device
 
 `index_scores` and `sparse_attention` have dsa.py's signatures and results, so dsa.py calls them in one
@@ -46,6 +48,10 @@ Sparse attention backward (deterministic, no atomics):
   its own; passes A+B read k and v once (4*D bytes in bf16) and write and read back one fp32 row each
   for dK and dV (16*D), about 3x less traffic, at the price of the buffer and a sort per chunk.
 
+Sampler: one program per row streams the vocabulary twice in blocks of SAMPLE_BLOCK: first the log-sum-exp
+of logits / T (online max and sum, and whether all are finite), then logp, the Gumbel noise hashed from the
+row's key and each token id (rollout._mix32 in uint32: products wrap mod 2^32 as there), and the running
+argmax of logp + noise, first index among equals.
 Numerics: fp32 inputs use full-precision fp32 matmuls (input_precision="ieee"); bf16/fp16 inputs use
 tensor-core matmuls with fp32 accumulation, the softmax probabilities (and dS) rounded to the input
 dtype before their matmul with V (K, Q, dO), as fused attention kernels do.
@@ -387,8 +393,57 @@ def _attn_bwd_reduce_kernel(PERM, LO, HI, DKP, DVP, DK, DV, key0, nkeys, Hkv, D,
     tl.store(DV + out, tl.load(DV + out, mask=has, other=0.0) + acc_v, mask=has)
 
 
+def _sample_kernel(X, KEYS, TOK, LP, NV, sxb, sxv, temperature, BV: tl.constexpr):
+    # One program per row. Pass 1: the row's log-sum-exp of x / T (online max and sum) and whether every
+    # logit is finite (if not, the row is taken as all zeros, as rollout.sample_tokens does). Pass 2: the
+    # hashed Gumbel noise of every token id and the argmax of logp + g (the first index among equals).
+    row = tl.program_id(0).to(tl.int64)
+    base = X + row * sxb
+    key = tl.load(KEYS + row).to(tl.uint32)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.zeros([], tl.float32)
+    bad = tl.zeros([], tl.int32)
+    for v0 in range(0, NV, BV):
+        offs = v0 + tl.arange(0, BV)
+        ok = offs < NV
+        x = tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32)
+        fin = (x == x) & (tl.abs(x) != float("inf"))
+        bad += tl.sum((ok & ~fin).to(tl.int32), 0)
+        y = tl.where(ok & fin, x / temperature, float("-inf"))
+        m_new = tl.maximum(m, tl.max(y, 0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), 0)
+        m = m_new
+    finite = bad == 0
+    m = tl.where(finite, m, 0.0)
+    log_s = tl.log(tl.where(finite, s, NV.to(tl.float32)))
+    best = tl.full([], float("-inf"), tl.float32)
+    tok = tl.zeros([], tl.int64)
+    for v0 in range(0, NV, BV):
+        offs = v0 + tl.arange(0, BV)
+        ok = offs < NV
+        x = tl.where(finite, tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32), 0.0)
+        logp = (x / temperature - m) - log_s
+        h = offs.to(tl.uint32)  # rollout._mix32 twice: of the token id (rollout._vocab_hash), then of it ^ key
+        for r in tl.static_range(2):
+            h = (((h >> 16) ^ h) * 0x45D9F3B).to(tl.uint32)  # products mod 2^32, as rollout's & _M32
+            h = (((h >> 16) ^ h) * 0x45D9F3B).to(tl.uint32)
+            h = (h >> 16) ^ h
+            if r == 0:
+                h = h ^ key
+        u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # (0, 1) from 24 bits: 2^-24
+        score = tl.where(ok, logp - tl.log(-tl.log(u)), float("-inf"))
+        top = tl.max(score, 0)
+        at = v0 + tl.argmax(score, 0).to(tl.int64)
+        tok = tl.where(top > best, at, tok)
+        best = tl.maximum(best, top)
+    x = tl.load(base + tok * sxv).to(tl.float32)
+    tl.store(TOK + row, tok)
+    tl.store(LP + row, tl.where(finite, (x / temperature - m) - log_s, float("nan")))
+
+
 _KERNEL_FNS = dict(scores=_index_scores_kernel, fwd=_attn_fwd_kernel, combine=_attn_combine_kernel,
-                   probs=_attn_probs_kernel, bwd_query=_attn_bwd_query_kernel, bwd_reduce=_attn_bwd_reduce_kernel)
+                   probs=_attn_probs_kernel, bwd_query=_attn_bwd_query_kernel, bwd_reduce=_attn_bwd_reduce_kernel,
+                   sample=_sample_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -625,6 +680,27 @@ class SparseAttention(torch.autograd.Function):
         with _on(q):
             dq, dk, dv = _backward(q, k, v, idx, valid, out, lse, dout, ctx.scale, need_dq, need_dk or need_dv)
         return dq, dk if need_dk else None, dv if need_dv else None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+
+SAMPLE_BLOCK = 4096  # vocabulary entries per step of the sampling kernel
+
+
+def sample(logits, temperature, keys):
+    """rollout.sample_tokens for temperature > 0 without top-p, fused: logits [B, V] (any float dtype and
+    strides), keys [B] int64 (rollout.sample_keys) -> tokens [B] int64, logprobs [B] fp32 (NaN for a row
+    with a non-finite logit). Reads the logits twice and writes nothing else, where the PyTorch path makes
+    about 20 passes over [B, V] (int64 hashes among them)."""
+    B, V = logits.shape
+    tok = torch.empty(B, dtype=torch.int64, device=logits.device)
+    lp = torch.empty(B, dtype=torch.float32, device=logits.device)
+    if B:
+        with _on(logits):
+            _kernels()["sample"][(B,)](logits, keys.to(torch.int64).contiguous(), tok, lp, V, *logits.stride(),
+                                       float(temperature), BV=min(SAMPLE_BLOCK, _p2(V)),
+                                       **_launch_opts(_interpret(), 8, 1))
+    return tok, lp
 
 
 def sparse_attention(q, k, v, idx, valid, scale, return_probs=False):

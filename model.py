@@ -866,8 +866,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     (None: every row at full length), prefills of prefill_tokens whose contexts the group_size samples of a
     prompt share; cuda_graphs: decode steps replayed as CUDA graphs; "sglang": its share of the GPU). logit_chunk:
     response tokens per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch
-    keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA runs dsa_triton's
-    kernels (dsa.USE_TRITON)."""
+    keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA and the sampler run
+    dsa_triton's kernels (dsa.USE_TRITON)."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
     with torch.device("meta"):
@@ -959,11 +959,12 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                                    3 * 4 * h)  # or RMSNorm's fp32 temps
                        + 16 * (group_size - 1) + 2 * KD)  # the copies' (slot, source) pairs; one copy's keys
         # A decode step: the forward's bf16 logits [B, V] (with DSA the rows' indexer keys gathered [B, S, d_I] and
-        # their scores); then sampling: fp32 logits, / temperature, log_softmax, exp, and the noise's int64 hashes
+        # their scores); then sampling: fp32 logits, / temperature, log_softmax, exp (greedy eval's path), and,
+        # without the kernels (dsa_triton.sample), the noise's int64 hashes
         dsa_decode = 0
         if cfg.dsa is not None and cfg.dsa.topk < S:
             dsa_decode = 2 * B * S * cfg.dsa.head_dim + _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
-        sampling = 4 * B * V * 4 + 3 * B * V * 8
+        sampling = 4 * B * V * 4 + (0 if dsa_kernels else 3 * B * V * 8)  # the fused sampler hashes on chip
         if cfg.dsa is not None and cfg.dsa.topk < M:
             prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
         steps = [(f"prefill of {M} packed tokens", prefill)]

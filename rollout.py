@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import dsa
+import dsa_triton
 import grpo
 from data import eval_metrics, math_reward, render_prompt
 from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, hf_name, to_device
@@ -101,7 +103,11 @@ def sample_tokens(logits, sampling: SamplingParams, keys):
     draw depends on its own request and step only, never on which rows share its batch (no RNG state).
     The logprob is of the full temperature-scaled distribution (before top-p truncation), which is what
     the learner recomputes. A row whose logits are not finite (weights blown up) gets logprob NaN, for the
-    engine to report at its next host sync, instead of a crash in the middle of the batch."""
+    engine to report at its next host sync, instead of a crash in the middle of the batch.
+    This is the specification: on CUDA, RL's case (temperature > 0, no top-p) runs dsa_triton.sample, one
+    fused kernel that computes the same from two reads of the logits (here, ~20 passes over [B, V])."""
+    if sampling.temperature > 0 and sampling.top_p >= 1.0 and dsa._triton(logits):
+        return dsa_triton.sample(logits, sampling.temperature, keys)
     logits = logits.float()
     finite = torch.isfinite(logits).all(-1, keepdim=True)  # [B, 1]
     logits = torch.where(finite, logits, 0.0)

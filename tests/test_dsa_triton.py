@@ -399,18 +399,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-floats = {"scale", "scale_log2", "inv_h"}
-unit_strides = {"sqd", "skd", "svd", "sik", "svlk", "swh", "sss"}
+floats = {"scale", "scale_log2", "inv_h", "temperature"}
+unit_strides = {"sqd", "skd", "svd", "sik", "svlk", "swh", "sss", "sxv"}
 ptr = dict(IDX="*i64", VALID="*u8", SLOT="*i64", W="*fp32", S="*fp32", LSE="*fp32", DELTA="*fp32", P="*fp32",
            PM="*fp32", PL="*fp32", PACC="*fp32", DQP="*fp32", DKP="*fp32", DVP="*fp32", DK="*fp32", DV="*fp32",
-           PERM="*i64", LO="*i64", HI="*i64", Q="*bf16", Kx="*bf16", V="*bf16", O="*bf16", DO="*bf16")
+           PERM="*i64", LO="*i64", HI="*i64", Q="*bf16", Kx="*bf16", V="*bf16", O="*bf16", DO="*bf16",
+           X="*bf16", KEYS="*i64", TOK="*i64", LP="*fp32")
 common = dict(UPCAST=False, PREC="tf32")
 attn = dict(GP=16, DP=128, BK=64, **common)
 cases = [("scores", dict(BT=4, HP=32, BS=128, BD=128, CAUSAL=True, **common), 8, 2),
          ("fwd", dict(SPLIT=False, **attn), 4, 2), ("fwd", dict(SPLIT=True, **attn), 4, 2),
          ("combine", dict(SP=8, DP=128), 4, 1), ("probs", attn, 4, 2),
          ("bwd_query", dict(STORE_DQ=True, STORE_KV=True, **attn), 8, 2),
-         ("bwd_reduce", dict(KB=16, DP=128), 4, 1)]
+         ("bwd_reduce", dict(KB=16, DP=128), 4, 1), ("sample", dict(BV=4096), 8, 1)]
 for name, consts, warps, stages in cases:
     fn = JITFunction(dsa_triton._KERNEL_FNS[name])
     consts = {**consts, **{a: 1 for a in fn.arg_names if a in unit_strides}}
@@ -475,3 +476,57 @@ def test_the_model_runs_the_kernels_and_matches_pytorch(monkeypatch):
     for a, b, what in zip(got, ref, ("packed forward", "gradients", "cached decode")):
         check(a, b, 1e-4, what=what)
     check(got[2], got[0][:, :8], 1e-4, what="kernel decode vs kernel full forward")
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_is_rollout_sample_tokens(monkeypatch, dtype):
+    """The fused sampler against rollout.sample_tokens' PyTorch path (the specification) on the same logits:
+    the same tokens (same hashed noise, same argmax) and logprobs within 1e-6, over several vocabulary
+    blocks and a partial one, three temperatures, a [B, 1, V] view's strides, and rows with an inf or a
+    NaN logit (uniform draw, logprob NaN). A wrong noise key would change most tokens."""
+    import rollout
+    monkeypatch.setattr(dsa_triton, "SAMPLE_BLOCK", 64)
+    torch.manual_seed(0)
+    B, V = 12, 300
+    logits = (torch.randn(B, 1, V) * 3).to(dtype)[:, -1]  # strides (V, 1) of a decode step's last position
+    logits[5, 17], logits[7, 3] = float("inf"), float("nan")
+    keys = rollout.sample_keys(torch.arange(B) * 7919 % 2**32, torch.full((B,), 3))
+    for t in (1.0, 0.7, 2.0):
+        monkeypatch.setattr(dsa, "USE_TRITON", False)
+        ref_tok, ref_lp = rollout.sample_tokens(logits, rollout.SamplingParams(temperature=t), keys)
+        monkeypatch.setattr(dsa, "USE_TRITON", True)
+        calls = []
+        monkeypatch.setattr(dsa_triton, "sample", lambda *a, _real=dsa_triton.sample: calls.append(1) or _real(*a))
+        tok, lp = rollout.sample_tokens(logits, rollout.SamplingParams(temperature=t), keys)
+        assert calls and torch.equal(tok, ref_tok)
+        assert torch.equal(lp.isnan(), ref_lp.isnan()) and lp.isnan()[[5, 7]].all()
+        assert torch.allclose(lp.nan_to_num(), ref_lp.nan_to_num(), atol=1e-6, rtol=0)
+        assert (dsa_triton.sample(logits, t, keys + 1)[0] != ref_tok).float().mean() > 0.5
+    calls.clear()  # greedy and top-p stay on the PyTorch path
+    rollout.sample_tokens(logits, rollout.SamplingParams(temperature=0), keys)
+    rollout.sample_tokens(logits, rollout.SamplingParams(temperature=1.0, top_p=0.9), keys)
+    assert not calls
+
+
+def test_engine_on_the_kernels_generates_what_pytorch_does(monkeypatch):
+    """TorchEngine where the kernels run (CUDA; here the interpreter): paged decode attention on the
+    Triton kernel and the fused sampler give the sampled tokens and logprobs of the PyTorch path."""
+    import rollout
+    from model import GLM, GLMConfig
+    torch.manual_seed(0)
+    m = GLM(GLMConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16))
+    prompts, sp = [[1, 2, 3], [4, 5], [6]] * 2, rollout.SamplingParams(temperature=1.0, max_new_tokens=10)
+    monkeypatch.setattr(dsa, "USE_TRITON", False)
+    ref = rollout.TorchEngine(m, max_batch=4).generate(prompts, sp, seed=1)
+    monkeypatch.setattr(dsa, "USE_TRITON", True)
+    calls = []
+    for name in ("sample", "sparse_attention"):
+        real = getattr(dsa_triton, name)
+        monkeypatch.setattr(dsa_triton, name, lambda *a, _real=real, _n=name, **k: calls.append(_n) or _real(*a, **k))
+    got = rollout.TorchEngine(m, max_batch=4).generate(prompts, sp, seed=1)
+    assert {"sample", "sparse_attention"} <= set(calls)
+    assert [c.token_ids for c in got] == [c.token_ids for c in ref]
+    assert [lp for c in got for lp in c.logprobs] == pytest.approx([lp for c in ref for lp in c.logprobs], abs=1e-5)
