@@ -50,8 +50,8 @@ Sparse attention backward (deterministic, no atomics):
 
 Sampler: one program per row streams the vocabulary twice in blocks of SAMPLE_BLOCK: first the log-sum-exp
 of logits / T (online max and sum, and whether all are finite), then logp, the Gumbel noise hashed from the
-row's key and each token id (rollout._mix32 in uint32: products wrap mod 2^32 as there), and the running
-argmax of logp + noise, first index among equals.
+row's key and each token id (rollout._mix32, in int64 as there), and the running argmax of logp + noise,
+first index among equals.
 Numerics: fp32 inputs use full-precision fp32 matmuls (input_precision="ieee"); bf16/fp16 inputs use
 tensor-core matmuls with fp32 accumulation, the softmax probabilities (and dS) rounded to the input
 dtype before their matmul with V (K, Q, dO), as fused attention kernels do.
@@ -399,7 +399,7 @@ def _sample_kernel(X, KEYS, TOK, LP, NV, sxb, sxv, temperature, BV: tl.constexpr
     # hashed Gumbel noise of every token id and the argmax of logp + g (the first index among equals).
     row = tl.program_id(0).to(tl.int64)
     base = X + row * sxb
-    key = tl.load(KEYS + row).to(tl.uint32)
+    key = tl.load(KEYS + row)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
     bad = tl.zeros([], tl.int32)
@@ -409,7 +409,7 @@ def _sample_kernel(X, KEYS, TOK, LP, NV, sxb, sxv, temperature, BV: tl.constexpr
         x = tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32)
         fin = (x == x) & (tl.abs(x) != float("inf"))
         bad += tl.sum((ok & ~fin).to(tl.int32), 0)
-        y = tl.where(ok & fin, x / temperature, float("-inf"))
+        y = tl.where(ok & fin, tl.math.div_rn(x, temperature), float("-inf"))  # IEEE division, as PyTorch
         m_new = tl.maximum(m, tl.max(y, 0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), 0)
         m = m_new
@@ -422,15 +422,15 @@ def _sample_kernel(X, KEYS, TOK, LP, NV, sxb, sxv, temperature, BV: tl.constexpr
         offs = v0 + tl.arange(0, BV)
         ok = offs < NV
         x = tl.where(finite, tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32), 0.0)
-        logp = (x / temperature - m) - log_s
-        h = offs.to(tl.uint32)  # rollout._mix32 twice: of the token id (rollout._vocab_hash), then of it ^ key
+        logp = (tl.math.div_rn(x, temperature) - m) - log_s
+        h = offs.to(tl.int64)  # rollout._mix32 twice, in int64 as there: of the token id, then of it ^ key
         for r in tl.static_range(2):
-            h = (((h >> 16) ^ h) * 0x45D9F3B).to(tl.uint32)  # products mod 2^32, as rollout's & _M32
-            h = (((h >> 16) ^ h) * 0x45D9F3B).to(tl.uint32)
+            h = (((h >> 16) ^ h) * 0x45D9F3B) & 0xFFFFFFFF
+            h = (((h >> 16) ^ h) * 0x45D9F3B) & 0xFFFFFFFF
             h = (h >> 16) ^ h
             if r == 0:
                 h = h ^ key
-        u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # (0, 1) from 24 bits: 2^-24
+        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # (0, 1) from 23 bits, as rollout: 2^-23
         score = tl.where(ok, logp - tl.log(-tl.log(u)), float("-inf"))
         top = tl.max(score, 0)
         at = v0 + tl.argmax(score, 0).to(tl.int64)
@@ -438,7 +438,7 @@ def _sample_kernel(X, KEYS, TOK, LP, NV, sxb, sxv, temperature, BV: tl.constexpr
         best = tl.maximum(best, top)
     x = tl.load(base + tok * sxv).to(tl.float32)
     tl.store(TOK + row, tok)
-    tl.store(LP + row, tl.where(finite, (x / temperature - m) - log_s, float("nan")))
+    tl.store(LP + row, tl.where(finite, (tl.math.div_rn(x, temperature) - m) - log_s, float("nan")))
 
 
 _KERNEL_FNS = dict(scores=_index_scores_kernel, fwd=_attn_fwd_kernel, combine=_attn_combine_kernel,

@@ -943,7 +943,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # longer context alone) or a decode step (logits and the sampler's hashed noise [B, V], DSA's scores).
     # With CUDA graphs the graphs' memory pool keeps a decode forward at B rows for good.
     B, S = generator_batch, generator_max_len
-    T = (-(-(kv_cache_tokens or B * S) // BLOCK_SIZE) + 1) * BLOCK_SIZE  # whole blocks, and the scratch block
+    blocks = -(-kv_cache_tokens // BLOCK_SIZE) if kv_cache_tokens else B * -(-S // BLOCK_SIZE)  # as TorchEngine._open
+    T = (blocks + 1) * BLOCK_SIZE  # and the scratch block
     kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0))
     if engine == "sglang":
         generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P + 2 * P32)]
@@ -972,12 +973,12 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         generator = [("bf16 weights (indexer weights_proj, k_norm fp32)", 2 * P + 2 * P32),
                      (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
                      (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
-        if cuda_graphs:  # the graphs' pool holds the largest bucket's forward for good; static buffers beside it
-            generator += [(f"CUDA graphs' pool: a decode forward of {B} rows", 2 * B * V + 2 * B * (h + 2 * I) + dsa_decode),
+        forward = 2 * B * V + 2 * B * (h + 2 * I) + dsa_decode
+        if cuda_graphs:  # the graphs' pool holds the largest bucket's forward for good (captured first, the others
+            # reuse its memory); static buffers beside it. A capture's eager warm-up still runs beside the pool.
+            generator += [(f"CUDA graphs' pool: a decode forward of {B} rows", forward),
                           (f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]", B * (S * 9 + 16) + 2 * B * V)]
-            steps.append(("a decode step's sampling (fp32 logits, noise)", sampling))
-        else:
-            steps.append(("a decode step (logits, DSA scores, sampling)", 2 * B * V + dsa_decode + sampling))
+        steps.append(("a decode step (logits, activations, DSA scores, sampling)", forward + sampling))
         name, peak = max(steps, key=lambda t: t[1])
         generator += [(f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
     settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,

@@ -121,7 +121,9 @@ def sample_tokens(logits, sampling: SamplingParams, keys):
             sorted_p, order = logp.exp().sort(-1, descending=True)
             drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p > sampling.top_p)
             scores = logp.masked_fill(drop, float("-inf"))
-        u = (_mix32(keys[:, None] ^ _vocab_hash(logp.shape[-1], logp.device)[None]) >> 8).float().add_(0.5).mul_(2.0 ** -24)  # (0, 1), 24 bits
+        # u in (0, 1) from 23 bits: (n + 0.5) / 2^23 is exact in fp32 up to 1 - 2^-24 (with 24 bits the top value
+        # rounds to 1.0, and its noise -log(-log 1) = inf would pick that token whatever its probability)
+        u = (_mix32(keys[:, None] ^ _vocab_hash(logp.shape[-1], logp.device)[None]) >> 9).float().add_(0.5).mul_(2.0 ** -23)
         tokens = (scores - u.log_().neg_().log_()).argmax(-1)
     logp = logp.gather(-1, tokens[:, None])[:, 0]
     return tokens, torch.where(finite[:, 0], logp, float("nan"))
@@ -253,7 +255,7 @@ class TorchEngine:
         if self.pool is None or self.pool.num_blocks < need:
             self.pool = self.graphs = None  # free the old pool (and the graphs that read it) first
             self.pool = PagedKVCache(self.model.cfg, need, BLOCK_SIZE, self.device, self.dtype)
-        if self.use_graphs and (self.graphs is None or self.graphs.max_keys < longest):
+        if self.use_graphs and (self.graphs is None or self.graphs.max_keys < longest or self.graphs.rows[-1] != self.max_batch):
             self.graphs = None
             self.graphs = DecodeGraphs(self.model, self.pool, self.max_batch, longest, capture=self.device.type == "cuda")
         self.pool.free = list(range(self.pool.num_blocks - 1, -1, -1))
@@ -529,10 +531,13 @@ class DecodeGraphs:
     A bucket is captured on the first step that needs it: an eager run of the same padded inputs (Triton
     compiles its kernels, cuBLAS picks its algorithms), the capture, then a replay whose logits must match
     the eager run's to a few roundings (a guard against a capture gone wrong: on a mismatch, or an error
-    while capturing, the engine decodes eagerly from then on, with a warning). The capture's errors are
-    thread-local, so the learner's thread beside it may use its own GPU meanwhile. Weight updates copy in
-    place, so graphs stay valid; a new pool (a call with longer sequences) gets new graphs. With
-    capture=False (a CPU, in tests) the same padded forward runs eagerly."""
+    while capturing, the graphs and their memory are dropped, the step runs again eagerly, rewriting any
+    keys a bad replay wrote, and the engine decodes eagerly from then on, with a warning). The very first
+    capture is of the largest bucket, all padding rows, so that the smaller ones reuse its memory. Captures
+    run on a stream of the engine's GPU and their errors are thread-local: the learner's thread beside it
+    keeps its own GPU (torch.cuda.graph would also empty every device's allocator cache). Weight updates
+    copy in place, so graphs stay valid; a new pool (a call with longer sequences) or max_batch gets new
+    graphs. With capture=False (a CPU, in tests) the same padded forward runs eagerly."""
 
     def __init__(self, model: GLM, pool: PagedKVCache, max_batch: int, max_keys: int, capture: bool):
         self.model, self.pool, self.capture, self.max_keys = model, pool, capture, max_keys
@@ -556,6 +561,10 @@ class DecodeGraphs:
     def run(self, tok, pos, keys, valid, Bg):
         """tok, pos [B]; keys, valid [B, Lg] (a bucket's width) -> logits [B, V] of the padded forward."""
         B, Lg = keys.shape
+        if self.capture and not self.failed and not self.graphs and (Bg, Lg) != (self.rows[-1], self.max_keys):
+            # The largest bucket first, all padding rows: every later capture then fits in the memory it
+            # freed, and the graphs' pool stays one largest forward (the memory plan's figure)
+            self.run(tok[:0], pos[:0], keys.new_zeros(0, self.max_keys), valid.new_zeros(0, self.max_keys), self.rows[-1])
         self.tok[:B, 0], self.pos[:B, 0] = tok, pos
         self.tok[B:Bg], self.pos[B:Bg] = 0, 0
         k, v = self.keys[:Bg * Lg].view(Bg, Lg), self.valid[:Bg * Lg].view(Bg, Lg)
@@ -581,28 +590,39 @@ class DecodeGraphs:
             pool.keys = None
 
     def _capture(self, Bg, Lg):
+        """Warm up, capture on a stream of our own (left whatever happens: a failed capture must not leave
+        this thread on it), replay, and check the replay against the warm-up."""
         self._forward(Bg, Lg)  # warm-up, and the reference this bucket's replay must reproduce
         eager = self.logits[:Bg].clone()
+        dev = self.logits.device
         try:
-            with torch.cuda.device(self.logits.device):  # capture on the engine's GPU, whatever is current
-                if self.mempool is None:
-                    self.mempool = torch.cuda.graph_pool_handle()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
+            graph, main = torch.cuda.CUDAGraph(), torch.cuda.current_stream(dev)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self.mempool, capture_error_mode="thread_local")
+                try:
                     self._forward(Bg, Lg)
-                graph.replay()
-            diff = (self.logits[:Bg].float() - eager.float()).abs().max().item()
-        except RuntimeError as e:  # eager from now on; this step keeps the warm-up's logits
-            diff, why = float("inf"), f"{type(e).__name__}: {e}".splitlines()[0]
-        else:
-            why = f"its replay's logits differ from eager by {diff:.3g}"
-        if diff > 4 * torch.finfo(eager.dtype).eps * eager.abs().max().item():  # a few roundings of the largest
-            self.failed = True
-            self.logits[:Bg] = eager
-            warnings.warn(f"rollout.cuda_graphs: capturing the decode of {Bg} rows x {Lg} keys failed ({why}); "
-                          "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
-        else:
+                finally:
+                    graph.capture_end()
+            main.wait_stream(side)
+            self.mempool = graph.pool()
+            graph.replay()
+            got = self.logits[:Bg]
+            tol = 4 * torch.finfo(eager.dtype).eps * eager.float().nan_to_num(0, 0, 0).abs().max().item()
+            same = torch.isclose(got.float(), eager.float(), rtol=0, atol=tol, equal_nan=True).all().item()
+            why = f"its replay's logits differ from eager by up to {(got.float() - eager.float()).abs().max().item():.3g}"
+        except RuntimeError as e:
+            same, why = False, f"{type(e).__name__}: {e}".splitlines()[0]
+        if same:
             self.graphs[Bg, Lg] = graph
+            return
+        # Eager from now on. The graphs' memory goes back; this step runs again eagerly, which also rewrites
+        # the keys and values a bad replay may have written
+        self.failed, self.graphs, self.mempool = True, {}, None
+        self._forward(Bg, Lg)
+        warnings.warn(f"rollout.cuda_graphs: capturing the decode of {Bg} rows x {Lg} keys failed ({why}); "
+                      "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
 
 
 # ----------------------------------------------------------------------------- the SGLang engine

@@ -510,6 +510,22 @@ def test_sample_is_rollout_sample_tokens(monkeypatch, dtype):
     assert not calls
 
 
+def test_sample_noise_is_finite_at_glms_vocabulary(monkeypatch):
+    """The kernel on the key and token of test_rollout's finite-noise test (a hash with its top 24 bits set):
+    the token with logit -60 is not drawn, and the draw is the PyTorch path's."""
+    import rollout
+    from test_rollout import key_with_a_full_hash
+    V = 151552
+    key, tok = key_with_a_full_hash(V)
+    logits = torch.zeros(1, V)
+    logits[0, tok] = -60.0
+    drawn, lp = dsa_triton.sample(logits, 1.0, torch.tensor([key]))
+    assert int(drawn) != tok
+    monkeypatch.setattr(dsa, "USE_TRITON", False)
+    ref = rollout.sample_tokens(logits, rollout.SamplingParams(temperature=1.0), torch.tensor([key]))
+    assert torch.equal(drawn, ref[0]) and torch.allclose(lp, ref[1], atol=1e-6)
+
+
 def test_engine_on_the_kernels_generates_what_pytorch_does(monkeypatch):
     """TorchEngine where the kernels run (CUDA; here the interpreter): paged decode attention on the
     Triton kernel and the fused sampler give the sampled tokens and logprobs of the PyTorch path."""

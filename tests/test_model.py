@@ -333,14 +333,14 @@ def test_memory_plan_items_against_hand_formulas():
     gen = dict(tiny_plan().generator)
     fp32_indexer = 2 * (2 * 8 + 48 * 2)  # k_norm [8] x2 and weights_proj [2, 48] on the 2 F layers
     assert gen["bf16 weights (indexer weights_proj, k_norm fp32)"] == 2 * P + 2 * fp32_indexer
-    # KV pool of 3 x 40 = 120 slots in 8 blocks of 16, and the scratch block: 144 slots, keys + values
-    # [144, 2, 16] on 3 layers, indexer keys [144, 8] on the 2 F layers
+    # KV pool of 3 rows x 40 slots, each row in 3 blocks of 16, and the scratch block: 160 slots, keys + values
+    # [160, 2, 16] on 3 layers, indexer keys [160, 8] on the 2 F layers
     bf16 = 2
-    kv = bf16 * 2 * 3 * (144 * 2 * 16) + bf16 * 2 * (144 * 8)
-    pool = PagedKVCache(TINY, 8, 16, dtype=torch.bfloat16)  # and what PagedKVCache really allocates
+    kv = bf16 * 2 * 3 * (160 * 2 * 16) + bf16 * 2 * (160 * 8)
+    pool = PagedKVCache(TINY, 9, 16, dtype=torch.bfloat16)  # and what PagedKVCache really allocates
     real = sum(t.numel() * t.element_size() for t in pool.k + pool.v + [t for t in pool.index_k if t is not None])
-    assert gen["paged KV pool bf16, 144 token slots (rollout and eval, one at a time)"] == kv == real
-    assert dict(tiny_plan(kv_cache_tokens=64).generator)["paged KV pool bf16, 80 token slots (rollout and eval, one at a time)"] == kv * 80 // 144
+    assert gen["paged KV pool bf16, 160 token slots (rollout and eval, one at a time)"] == kv == real
+    assert dict(tiny_plan(kv_cache_tokens=64).generator)["paged KV pool bf16, 80 token slots (rollout and eval, one at a time)"] == kv * 80 // 160
     # rows: block tables [3, 40 // 16 + 1] int64, tokens + logprobs [3, 30], a step's key slots and valid [3, 40]
     assert gen["3 rows: block tables, tokens + logprobs, a step's key slots"] == 3 * 3 * 8 + 3 * 30 * 12 + 3 * 40 * 9
     prefill = lambda **kw: dict(tiny_plan(**kw).generator)["largest transient: prefill of 4096 packed tokens"]

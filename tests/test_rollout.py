@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import pickle
 import sys
 import threading
@@ -46,6 +47,27 @@ def test_sample_tokens_logprobs_and_top_p():
     assert torch.equal(tok, logits.argmax(-1))
     tok, lp = sample_tokens(logits, SamplingParams(temperature=0), keys(5))
     assert torch.equal(tok, logits.argmax(-1))
+
+
+def key_with_a_full_hash(V):
+    """A noise key for which one token id's hash has its top 24 bits all set, and that token: the draw
+    whose uniform, taken from 24 bits, would round to 1.0 (noise +inf)."""
+    vh = rollout._vocab_hash(V, torch.device("cpu"))
+    for key in range(5000):
+        hit = ((rollout._mix32(torch.tensor(key) ^ vh) >> 8) == 2**24 - 1).nonzero()
+        if len(hit):
+            return key, int(hit[0, 0])
+
+
+def test_sampling_noise_is_finite_for_every_token():
+    """At GLM's vocabulary about one row-step in 110 has such a token; its noise must stay finite, so a
+    token with logit -60 is not drawn (it was, whenever its hash came up: a random token in every ~110)."""
+    V = 151552
+    key, tok = key_with_a_full_hash(V)
+    logits = torch.zeros(1, V)
+    logits[0, tok] = -60.0
+    drawn, lp = sample_tokens(logits, SamplingParams(temperature=1.0), torch.tensor([key]))
+    assert int(drawn) != tok and lp.item() == pytest.approx(-math.log(V - 1 + math.exp(-60)), abs=1e-4)
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
@@ -298,36 +320,58 @@ def graph_engine(model, capture, **kw):
 
 
 def test_graph_capture_falls_back_to_eager_on_a_bad_replay_or_an_error(monkeypatch):
-    """The capture guard, with torch.cuda's graph calls faked on a CPU: a replay whose logits differ from
-    the eager run's (here: one that never ran the forward) or a capture that raises turns graphs off with
-    one warning, and generation goes on eagerly with the tokens of a plain engine."""
-    class Graph:  # "captures" nothing: the logits buffer keeps what the fake capture left there
+    """The capture guard, with torch.cuda's graph and stream calls faked on a CPU: a replay whose logits
+    differ from the eager run's (one that never ran the forward, or one that gives NaN) or a capture that
+    raises turns graphs off with one warning and drops them, and generation goes on eagerly with the
+    tokens of a plain engine. The first capture is of the largest bucket, with thread-local errors."""
+    captured = []
+
+    class Graph:  # "captures" nothing: the logits buffer keeps what capture_end left there
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            captured.append(capture_error_mode)
+            if mode == "raise":
+                raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+        def capture_end(self):
+            graphs.logits.fill_(0.0 if mode == "stale" else float("nan"))
+
+        def pool(self):
+            return "pool"
+
         def replay(self):
             pass
 
-    @contextlib.contextmanager
-    def capture(graph, pool, capture_error_mode):
-        yield
-        graphs.logits.zero_()  # what a capture leaves: outputs not computed
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
     sp = SamplingParams(temperature=1.0, max_new_tokens=12)
     ref = TorchEngine(tiny_model()).generate([[1, 2, 3], [4, 5]], sp, seed=5)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    for fake in (capture, lambda graph, pool, capture_error_mode: (_ for _ in ()).throw(RuntimeError("operation not permitted\nmore"))):
-        monkeypatch.setattr(torch.cuda, "graph", fake)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    capture = rollout.DecodeGraphs._capture
+    monkeypatch.setattr(rollout.DecodeGraphs, "_capture", lambda g, Bg, Lg: captured.append((Bg, Lg)) or capture(g, Bg, Lg))
+    for mode in ("stale", "nan", "raise"):
+        captured.clear()
         engine = graph_engine(tiny_model(), capture=True)  # as if on a GPU
         graphs = engine.graphs
         with pytest.warns(RuntimeWarning, match="decoding eagerly from now on") as w:
             out = engine.generate([[1, 2, 3], [4, 5]], sp, seed=5)
-        assert len(w) == 1 and graphs.failed and graphs.graphs == {} and engine.graphs is graphs
+        assert len(w) == 1 and graphs.failed and graphs.graphs == {} and graphs.mempool is None
+        assert captured == [(graphs.rows[-1], graphs.max_keys), "thread_local"]  # the largest bucket, first
         assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+        assert [x for c in out for x in c.logprobs] == pytest.approx([x for c in ref for x in c.logprobs], abs=1e-6)
     assert "RuntimeError: operation not permitted" in str(w[0].message)
 
 
 def test_graph_buffers_are_what_the_memory_plan_counts():
     """--dry-run's CUDA-graph items against what DecodeGraphs allocates: tokens and positions [B], key slots
-    and masks [B, S], logits [B, V] in the generator's bf16; no such items without graphs."""
+    and masks [B, S], logits [B, V] in the generator's bf16 (no such items without graphs); and its KV pool
+    item against the pool the engine made for B rows of S tokens."""
     model = tiny_model().to(torch.bfloat16)
     B, S = 3, 40
     engine = TorchEngine(model, max_batch=B, graphs=True)
@@ -338,6 +382,10 @@ def test_graph_buffers_are_what_the_memory_plan_counts():
                        trainable_indexer=False, reference=False, generator_batch=B, generator_max_len=S,
                        max_new_tokens=30, engine="torch", cuda_graphs=True)
     assert dict(plan.generator)[f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]"] == real
+    pool = engine.pool  # and the KV pool the engine made: B rows of S tokens in whole blocks, and the scratch block
+    slots = pool.k[0].shape[0]
+    assert dict(plan.generator)[f"paged KV pool bf16, {slots} token slots (rollout and eval, one at a time)"] == sum(
+        t.numel() * t.element_size() for t in pool.k + pool.v + [t for t in pool.index_k if t is not None])
     assert not any("CUDA graphs" in item for item, _ in memory_plan(
         model.cfg, **{**dict(learner_gpus=1, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
                          trainable_indexer=False, reference=False, generator_batch=B, generator_max_len=S,
