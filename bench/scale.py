@@ -9,6 +9,7 @@ section of docs/benchmarks.md with --write.
     python bench/scale.py --device cuda --layers 4 --write             # one GPU: learner, then generator
     python bench/scale.py --device cuda --layers 4 --dsa               # DSA layers (topk 2048, FSSS)
     torchrun --nproc-per-node 4 bench/scale.py --device cuda --write   # FSDP2 learner over 4 GPUs
+    python bench/scale.py --device cuda --layers 4 --no-kernels        # the same on PyTorch paths, to compare
     python bench/scale.py --tiny --device cpu                          # a CPU smoke test, seconds
 
 The learner is train.py's: fp32 weights, gradient checkpointing, bf16 autocast on cuda, AdamW over all
@@ -41,6 +42,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config  # noqa: E402
+import dsa  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
@@ -94,8 +96,11 @@ def main():
     ap.add_argument("--hbm-tbps", type=float, help="memory bandwidth of the device, for the decode roofline")
     ap.add_argument("--new-tokens", type=int, help="tokens generated per prompt (no stop tokens)")
     ap.add_argument("--steps", type=int, help="timed learner steps (after one warm-up step)")
+    ap.add_argument("--no-kernels", action="store_true",
+                    help="PyTorch paths instead of dsa_triton's kernels (DSA and the engine's sampler), to compare")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md (section scale)")
     args = ap.parse_args()
+    dsa.USE_TRITON = not args.no_kernels
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -218,7 +223,8 @@ def main():
     command = launcher + "bench/scale.py " + " ".join(sys.argv[1:])
     par = f", learner {args.parallel.upper()} over {world} ranks" if world > 1 else ""
     shape = ("Tiny shape (hidden 256, vocab 1024)" if args.tiny else "GLM-Z1-9B-0414's shape") + \
-        f", {args.layers} layers{', DSA ' + arch.dsa.pattern if args.dsa else ''}"
+        f", {args.layers} layers{', DSA ' + arch.dsa.pattern if args.dsa else ''}" + \
+        (", PyTorch paths (no Triton kernels)" if args.no_kernels else "")
     lines = [
         f"### Learner and generator at scale ({where})",
         "",
