@@ -969,7 +969,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         if cfg.dsa is not None and cfg.dsa.topk < M:
             prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
         steps = [(f"prefill of {M} packed tokens", prefill)]
-        rows = B * (S // 16 + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
+        rows = B * (S // BLOCK_SIZE + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
         generator = [("bf16 weights (indexer weights_proj, k_norm fp32)", 2 * P + 2 * P32),
                      (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
                      (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]

@@ -481,21 +481,18 @@ class TorchEngine:
         """One token for every running row. Rows already done (a first token that was a stop) ride along
         until the read; they sample, but nothing is recorded for them."""
         Lk = int(self.host_pos.max()) + 1
-        Bg, Lk = self.graphs.bucket(len(self.reqs), Lk) if self.graphs else (None, Lk)  # a graph's shape: more keys
+        graphs = self.graphs if self.graphs and not self.graphs.failed else None  # failed: eager, unpadded
+        Bg, Lk = graphs.bucket(len(self.reqs), Lk) if graphs else (None, Lk)  # a graph's shape: more keys
         p = torch.arange(Lk, device=self.device)[None] - (Lk - 1) + self.pos[:, None]  # [B, Lk]: key positions, left-padded
         valid = p >= 0
         p = p.clamp_min(0)
         keys = self.table.gather(1, p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE
         with self.lock:
-            if Bg:
-                logits = self.graphs.run(self.last, self.pos, keys, valid, Bg)
+            if graphs:
+                logits = graphs.run(self.last, self.pos, keys, valid, Bg)
                 self.stats["graph_steps"] += 1
             else:
-                self.pool.keys, self.pool.key_valid, self.pool.slots = keys, valid, keys[:, -1]
-                try:
-                    logits = self.model(self.last[:, None], position_ids=self.pos[:, None], cache=self.pool)[:, -1]
-                finally:
-                    self.pool.keys = None
+                logits = decode_forward(self.model, self.pool, self.last[:, None], self.pos[:, None], keys, valid)
             self.step_version = self.version
         tok, lp = sample_tokens(logits, self.sampling, sample_keys(self.seeds, self.base + self.ngen))
         live = self.status == 0
@@ -506,6 +503,16 @@ class TorchEngine:
         self.status = torch.where(live, self._status(tok, lp, self.ngen, self.left), self.status)
         self.last, self.pos = tok, self.pos + 1
         self.host_pos = self.host_pos + 1
+
+
+def decode_forward(model, pool: PagedKVCache, tokens, pos, keys, valid):
+    """One decode forward over the paged pool: tokens, pos [B, 1]; keys, valid [B, Lk] (each row's slots in
+    position order, its new token's last: Attention.paged_decode) -> logits [B, V]."""
+    pool.keys, pool.key_valid, pool.slots = keys, valid, keys[:, -1]
+    try:
+        return model(tokens, position_ids=pos, cache=pool)[:, -1]
+    finally:  # the next forward (a prefill) must not see them
+        pool.keys = None
 
 
 # ----------------------------------------------------------------------------- CUDA graphs for decode
@@ -581,13 +588,8 @@ class DecodeGraphs:
 
     def _forward(self, Bg, Lg):
         """The captured work: the model on the static buffers, logits into self.logits."""
-        pool = self.pool
-        pool.keys, pool.key_valid = self.keys[:Bg * Lg].view(Bg, Lg), self.valid[:Bg * Lg].view(Bg, Lg)
-        pool.slots = pool.keys[:, -1]
-        try:
-            self.logits[:Bg] = self.model(self.tok[:Bg], position_ids=self.pos[:Bg], cache=pool)[:, -1]
-        finally:
-            pool.keys = None
+        self.logits[:Bg] = decode_forward(self.model, self.pool, self.tok[:Bg], self.pos[:Bg],
+                                          self.keys[:Bg * Lg].view(Bg, Lg), self.valid[:Bg * Lg].view(Bg, Lg))
 
     def _capture(self, Bg, Lg):
         """Warm up, capture on a stream of our own (left whatever happens: a failed capture must not leave
