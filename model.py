@@ -552,6 +552,8 @@ class GLM(nn.Module):
             # gathers make it: one numerics for every copy of the model, so the learner's logprobs and DSA
             # selections match the generator's (an fp32 stream here alone flips top-k keys and costs memory).
             x = x.to(torch.get_autocast_dtype(device.type))
+        # The tables in the compute dtype once per forward, not in each of the layers' apply_rope calls
+        rope = {name: (cos.to(x.dtype), sin.to(x.dtype)) for name, (cos, sin) in rope.items()}
         selected, kls = None, []  # top-k choice flows from each F layer to the S layers after it
         for i, block in enumerate(self.layers):
             args = (x, rope, mask, paged or cache, selected, indexer_loss, keep if i == len(self.layers) - 1 else None)

@@ -6,6 +6,7 @@ a benchmark baseline only), on the same model and batch size, side by side in on
     python bench/engine.py                      # prints the table (a few minutes on 2 CPU cores)
     python bench/engine.py --write              # and rewrites its section of docs/benchmarks.md
     python bench/engine.py --dtype bfloat16     # every engine in bf16 weights (the generator's GPU dtype)
+    python bench/engine.py --compile            # adds our engine with its decode forward under torch.compile
 
 Model: dense GLM, 4 layers, hidden 256, 8 heads (2 KV), vocab 512, random weights in --dtype (float32; every
 engine the same); sampling at temperature 1 with per-token logprobs from every engine. Every engine decodes
@@ -22,6 +23,11 @@ at most --batch rows at once.
 What is counted: new tokens that the requests asked for (the sum of their lengths) per second of wall
 clock, the same numerator for every engine; the median of --repeat rounds after a warm-up, each round
 running every engine once (interleaved, so that drift on the machine hits them alike).
+
+`--compile` adds a row, `compiled`: the same TorchEngine with its decode forward (rollout.decode_forward, the
+model over the paged pool) under torch.compile (dynamic shapes, one graph; sampling stays eager). The engine
+has no such option: this row measures what compiling would buy on a CPU (on a GPU, CUDA graphs remove the
+per-op overhead instead). Its compile time is in the warm-up round, untimed, and printed apart.
 """
 import argparse
 import os
@@ -36,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig, KVCache  # noqa: E402
+import rollout  # noqa: E402
 from rollout import Completion, SamplingParams, TorchEngine  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
@@ -143,14 +150,31 @@ def hf_runner(hf, work, batch):
     return run
 
 
-def engine_runner(engine, work):
+def engine_runner(engine, work, decode_forward=None):
+    """Our engine (or the static one) on the workload; decode_forward replaces rollout's for the run."""
     prompts = [p for p, _ in work]
     sampling = [SamplingParams(temperature=1.0, max_new_tokens=n) for _, n in work]
 
     def run():
-        out = engine.generate(prompts, sampling, seed=0)
+        plain = rollout.decode_forward
+        rollout.decode_forward = decode_forward or plain
+        try:
+            out = engine.generate(prompts, sampling, seed=0)
+        finally:
+            rollout.decode_forward = plain
         assert [len(c.token_ids) for c in out] == [n for _, n in work]
     return run
+
+
+def first_timed(run, firsts: list):
+    """run, whose first call (the compilation, in the untimed warm-up) is timed into firsts."""
+    def call():
+        t0 = time.perf_counter()
+        run()
+        if len(firsts) < call.n + 1:
+            firsts.append(time.perf_counter() - t0)
+    call.n = len(firsts)
+    return call
 
 
 class OpCount(TorchDispatchMode):
@@ -198,6 +222,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--engines", default="ours,static,hf")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every engine's weights")
+    ap.add_argument("--compile", action="store_true", help="add our engine with a torch.compiled decode forward")
     ap.add_argument("--write", action="store_true", help="rewrite the engine section of docs/benchmarks.md")
     args = ap.parse_args()
     from transformers import Glm4ForCausalLM
@@ -211,21 +236,23 @@ def main():
         ours.save_pretrained(d)
         hf = Glm4ForCausalLM.from_pretrained(d, dtype=dtype).eval()
     names = {"ours": "TorchEngine, continuous batching (rollout.py)", "static": "static batches (the engine before)",
-             "hf": "transformers `generate`"}
-    results = {}
+             "hf": "transformers `generate`", "compiled": "TorchEngine, decode forward under torch.compile"}
+    engines = args.engines.split(",") + (["compiled"] if args.compile else [])
+    compiled = torch.compile(rollout.decode_forward, dynamic=True, fullgraph=True) if args.compile else None
+    results, firsts = {}, []
     for shape, work in workloads(cfg, args.batch).items():
         tokens = sum(n for _, n in work)
         runners = {"ours": lambda: engine_runner(TorchEngine(ours, max_batch=args.batch), work),
                    "static": lambda: engine_runner(StaticEngine(ours, args.batch), work),
-                   "hf": lambda: hf_runner(hf, work, args.batch)}
-        secs = timed({name: runners[name]() for name in args.engines.split(",")}, args.repeat)
+                   "hf": lambda: hf_runner(hf, work, args.batch),
+                   "compiled": lambda: first_timed(engine_runner(TorchEngine(ours, max_batch=args.batch), work, compiled), firsts)}
+        secs = timed({name: runners[name]() for name in engines}, args.repeat)
         for name, t in secs.items():
             results[shape, name] = (t, tokens / t)
             print(f"{shape:8} {name:7} {t:7.2f} s  {tokens / t:8.0f} new tokens/s", flush=True)
-    engines = args.engines.split(",")
     rows = [f"| {shape} | {names[n]} | {results[shape, n][0]:.2f} | {results[shape, n][1]:.0f} | "
             f"{results[shape, n][1] / results[shape, 'hf'][1]:.2f}x |" for shape in ("uniform", "rl") for n in engines]
-    flag = "" if args.dtype == "float32" else f" --dtype {args.dtype}"
+    flag = ("" if args.dtype == "float32" else f" --dtype {args.dtype}") + (" --compile" if args.compile else "")
     lines = [f"### Generation engine, continuous batching vs static batches vs transformers, {args.dtype} "
              f"({machine(torch.device('cpu'))})",
              "",
@@ -246,10 +273,14 @@ def main():
                       f"the static engine and {results['rl', 'ours'][1] / results['rl', 'hf'][1]:.2f}x transformers. "
                       f"It runs {iterations} iterations ({prefills} with a prefill); a decode step is {ops:.0f} ATen "
                       f"ops (forward and sampling), whatever its rows."]
+    if firsts:
+        lines += ["", f"Under torch.compile, our engine is {results['rl', 'compiled'][1] / results['rl', 'hf'][1]:.2f}x "
+                      f"transformers on `rl` ({results['rl', 'compiled'][1] / results['rl', 'ours'][1]:.2f}x the eager engine); "
+                      f"its first runs, compiling, took {' and '.join(f'{t:.0f}' for t in firsts)} s (`uniform`, `rl`)."]
     table = "\n".join(lines)
     print(table)
     if args.write:
-        write_section(os.path.join(ROOT, "docs/benchmarks.md"), "engine-continuous" + flag.replace(" --dtype ", "-"), table)
+        write_section(os.path.join(ROOT, "docs/benchmarks.md"), "engine-continuous" + ("" if args.dtype == "float32" else "-" + args.dtype), table)
 
 
 if __name__ == "__main__":
