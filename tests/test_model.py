@@ -226,6 +226,7 @@ def test_keep_gives_the_kept_positions_outputs_and_gradients(pair, autocast):
     for n in grads:
         assert rel_err(grads[n], ref_grads[n]) < (5e-2 if autocast else 1e-5), n
 
+
 def test_to_device_copies_host_data():
     """model.to_device: lists, numpy arrays and CPU tensors arrive with their values (and the dtype asked
     for); on CUDA through pinned memory, without waiting (the engine's per-step copies)."""
