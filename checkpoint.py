@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from transformers import AutoTokenizer
 
@@ -253,3 +254,30 @@ class Preempted(Exception):
         super().__init__(f"stopped by {signal.Signals(signum).name} after {where}, checkpoint saved; continue with: "
                          f"python train.py --resume run_dir={run_dir}")
         self.signum = signum
+
+
+def run_main(main):
+    """Run train.main the way a user wants it to end: a preempted run exits 128 + signum with the command
+    that continues it; a bad setting, the environment (OSError) or a blown-up run (FloatingPointError) is
+    one `error: ...` line, shown once (rank 0: every rank has the same error); a rank whose collective broke
+    because a peer failed exits quietly (the peer said why). Anything else is a bug: its traceback shows."""
+    first = int(os.environ.get("RANK", 0)) == 0
+    try:
+        main()
+    except Preempted as e:  # a checkpoint was written at the step boundary after SIGTERM / SIGINT
+        if first:
+            print(f"[train] {e}", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except (ConfigError, FloatingPointError, OSError) as e:
+        if first:
+            sys.exit(f"error: {e.strerror.lower()}: {e.filename}" if isinstance(e, OSError) and e.filename else f"error: {e}")
+        sys.exit(1)
+    except KeyboardInterrupt:  # before training started: nothing to save
+        sys.exit("interrupted")
+    except Exception as e:  # noqa: BLE001
+        if not first and isinstance(e, (RuntimeError, dist.DistError)):
+            sys.exit(1)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """
 The run's settings: every key with its default and its meaning (this file is their one home), loading
 a YAML recipe plus `key.sub=value` overrides, checking every value before any work starts, what a
-resumed run may change, and the memory plan that `--dry-run` prints.
+resumed run may change, and the bridge from a config to memory.py's plan that `--dry-run` prints.
 
 A recipe (configs/*.yaml) states only what differs from the defaults below. The defaults are GLM-5's
 RL method at the 9B scale: GRPO with clip-higher, IcePop and one step off-policy, AdamW at lr 1e-6.
@@ -20,7 +20,9 @@ from transformers import AutoTokenizer
 import data
 import grpo
 from grpo import GRPOConfig
-from model import GLMConfig, memory_plan
+from memory import memory_plan
+from model import GLMConfig
+from rollout import TRUNCATED
 
 H100_BYTES = 80 * 10**9  # what --dry-run plans for (an H100 SXM has 80 GB = 79.6 GiB)
 LOGIT_CHUNK = 1024  # response tokens per lm_head call: a [1024, 151552] fp32 block is 620 MB
@@ -56,7 +58,13 @@ class RolloutConfig:
     prompts_per_step: int = 32  # prompt groups per RL step
     n: int = 8  # samples per prompt: the GRPO group
     temperature: float = 1.0  # sampling temperature; the learner divides its logits by it too
-    max_new_tokens: int = 8192  # response length limit; a cut-off response scores 0
+    max_new_tokens: int = 8192  # response length limit; what a response cut there trains as is `truncated`
+    # A response cut at max_new_tokens: keep (its graded reward), zero (reward 0) or mask (dropped from the loss,
+    # its reward still in its group's mean and std; DAPO's overlong filtering). The recipe masks: a cut
+    # response's reward says little about its reasoning (a sound chain that ran out of room scores like a wrong
+    # one), and DAPO found training on that noise less stable than filtering it out. rollout/truncated and
+    # train/masked show how much of a batch it drops. Eval always reports the grader's reward.
+    truncated: str = "mask"
     max_prompt_tokens: int = 1024  # prompts longer than this are skipped (all of them: an error at start-up)
     chat_template: bool = True  # render prompts with the tokenizer's chat template
     max_staleness: int = 1  # batch i is sampled by weights i - max_staleness (one step off-policy); 0: synchronous
@@ -76,7 +84,7 @@ class RolloutConfig:
     # Token slots of the torch engine's paged KV pool (rows take blocks as they grow; when it is full the
     # newest rows wait, prefilled again later). null: max_batch x (max_prompt_tokens + longest response)
     kv_cache_tokens: int | None = None
-    # The torch engine on a GPU replays each decode step as a CUDA graph (rollout.DecodeGraphs: buckets of
+    # The torch engine on a GPU replays each decode step as a CUDA graph (engine.DecodeGraphs: buckets of
     # rows and keys, captured on first use, checked against eager; an eager fallback). A CPU decodes eagerly.
     cuda_graphs: bool = True
     engine: str = "torch"  # torch: our engine (runs DSA) | sglang: SGLang's (optional extra, dense checkpoints, GPU)
@@ -321,6 +329,7 @@ RULES = [  # (keys, test, what each must be)
     (("data.train_size", "data.eval_size"), lambda x: x is None or x >= 1, ">= 1 (or null: all)"),
     (("rollout.kv_cache_tokens",), lambda x: x is None or x >= 1, ">= 1 (or null: every row at full length)"),
     (("rollout.update_mode",), lambda x: x in ("keep_kv", "reprefill"), "keep_kv or reprefill"),
+    (("rollout.truncated",), lambda x: x in TRUNCATED, " or ".join(TRUNCATED)),
     (("optim.betas",), lambda b: len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b),
      "[beta1, beta2], each in [0, 1)"),
     (("rollout.engine",), lambda x: x in ("torch", "sglang"), "torch or sglang"),

@@ -35,6 +35,7 @@ import threading
 from decimal import Decimal
 from pathlib import Path
 
+import torch
 from math_verify import parse, verify
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,32 @@ def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
     if not examples:
         raise ValueError(f"{path}: file is empty (expected at least one JSON object)")
     return examples
+
+
+def load_examples(source, tokenizer, keys, *, split, seed, sft, chat_template, max_prompt_tokens, verbose=True):
+    """The examples of one data source (a JSONL file or "synthetic") whose prompts fit max_prompt_tokens.
+    keys: the config's data section (prompt_key, label_key, response_key, train_size, eval_size); the
+    reference response is read only where the supervised stage needs it (sft, train split). Every prompt is
+    tokenized here, at start-up, so that an impossible setting fails in seconds: overlong eval prompts, or no
+    train prompt that fits, are an error; overlong train prompts are skipped with one line."""
+    size = keys.train_size if split == "train" else keys.eval_size
+    if source == "synthetic":
+        if size is None:
+            raise ValueError(f"data.{split}_size must be set for the synthetic task (how many problems)")
+        examples = synthetic_task(size, seed=seed, split="train" if split == "train" else "test")
+    else:
+        response = keys.response_key if split == "train" and sft else None
+        examples = load_jsonl(source, keys.prompt_key, keys.label_key, response)[:size]
+    lengths = prompt_lengths(tokenizer, examples, chat_template)
+    fit = [ex for ex, n in zip(examples, lengths) if n <= max_prompt_tokens]
+    if len(fit) < len(examples):
+        what = (f"{len(examples) - len(fit)} of {len(examples)} prompts in {source} are longer than "
+                f"rollout.max_prompt_tokens={max_prompt_tokens} (the longest has {max(lengths)} tokens)")
+        if split != "train" or not fit:
+            raise ValueError(what + ("" if fit else "; none is left to train on"))
+        if verbose:
+            print(f"[train] {what}: they are skipped", flush=True)
+    return fit
 
 
 def _size(n):
@@ -509,7 +536,9 @@ def make_tiny_tokenizer(save_dir=None):
 # -----------------------------------------------------------------------------
 # 5. Token-budget batching
 # A learner micro-batch holds as many samples as fit in max_tokens (dynamic batching), so GPU
-# memory is flat whatever the response lengths; ranks get equal token counts, not sample counts.
+# memory is flat whatever the response lengths. In the warm-up stages every rank draws the same batch
+# and takes a share of equal token count (split_across_ranks); in RL each rank trains the groups it
+# generated itself, so there the shares are equal in groups, not tokens.
 
 
 def pack_by_tokens(lengths, max_tokens):
@@ -529,6 +558,14 @@ def pack_by_tokens(lengths, max_tokens):
             bins.append([i])
             room.append(max_tokens - lengths[i])  # negative for an oversize sample: bin closed
     return bins
+
+
+def spans(starts, lengths, device=None):
+    """Flat indices of the spans [start, start + length) one after the other, without a Python loop:
+    spans([0, 10], [2, 3]) = [0, 1, 10, 11, 12]."""
+    starts, lengths = torch.as_tensor(starts), torch.as_tensor(lengths)
+    ends = lengths.cumsum(0)
+    return (torch.repeat_interleave(starts - ends + lengths, lengths) + torch.arange(int(ends[-1]))).to(device)
 
 
 def split_across_ranks(lengths, world_size):

@@ -1,6 +1,6 @@
 """
 Triton kernels for DeepSeek Sparse Attention (dsa.py is the specification; these compute the same things),
-and the engine's fused sampler (rollout.sample_tokens is its specification).
+and the engine's fused sampler (engine.sample_tokens is its specification).
 
     index_scores(q, w, k, q_slot=None)          -> fp32 [B, c, Tk]   the lightning indexer, heads fused
     sparse_attention(q, k, v, idx, valid, scale, return_probs=False)
@@ -50,7 +50,7 @@ Sparse attention backward (deterministic, no atomics):
 
 Sampler: one program per row streams the vocabulary twice in blocks of SAMPLE_BLOCK: first the log-sum-exp
 of logits / T (online max and sum, and whether all are finite), then logp, the Gumbel noise hashed from the
-row's key and each token id (rollout._mix32, in int64 as there), and the running argmax of logp + noise,
+row's key and each token id (engine._mix32, in int64 as there), and the running argmax of logp + noise,
 first index among equals.
 Numerics: fp32 inputs use full-precision fp32 matmuls (input_precision="ieee"); bf16/fp16 inputs use
 tensor-core matmuls with fp32 accumulation, the softmax probabilities (and dS) rounded to the input
@@ -395,7 +395,7 @@ def _attn_bwd_reduce_kernel(PERM, LO, HI, DKP, DVP, DK, DV, key0, nkeys, Hkv, D,
 
 def _sample_kernel(X, KEYS, TOK, LP, NV, sxb, sxv, temperature, BV: tl.constexpr):
     # One program per row. Pass 1: the row's log-sum-exp of x / T (online max and sum) and whether every
-    # logit is finite (if not, the row is taken as all zeros, as rollout.sample_tokens does). Pass 2: the
+    # logit is finite (if not, the row is taken as all zeros, as engine.sample_tokens does). Pass 2: the
     # hashed Gumbel noise of every token id and the argmax of logp + g (the first index among equals).
     row = tl.program_id(0).to(tl.int64)
     base = X + row * sxb
@@ -423,14 +423,14 @@ def _sample_kernel(X, KEYS, TOK, LP, NV, sxb, sxv, temperature, BV: tl.constexpr
         ok = offs < NV
         x = tl.where(finite, tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32), 0.0)
         logp = (tl.math.div_rn(x, temperature) - m) - log_s
-        h = offs.to(tl.int64)  # rollout._mix32 twice, in int64 as there: of the token id, then of it ^ key
+        h = offs.to(tl.int64)  # engine._mix32 twice, in int64 as there: of the token id, then of it ^ key
         for r in tl.static_range(2):
             h = (((h >> 16) ^ h) * 0x45D9F3B) & 0xFFFFFFFF
             h = (((h >> 16) ^ h) * 0x45D9F3B) & 0xFFFFFFFF
             h = (h >> 16) ^ h
             if r == 0:
                 h = h ^ key
-        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # (0, 1) from 23 bits, as rollout: 2^-23
+        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # (0, 1) from 23 bits, as engine.py: 2^-23
         score = tl.where(ok, logp - tl.log(-tl.log(u)), float("-inf"))
         top = tl.max(score, 0)
         at = v0 + tl.argmax(score, 0).to(tl.int64)
@@ -688,8 +688,8 @@ SAMPLE_BLOCK = 4096  # vocabulary entries per step of the sampling kernel
 
 
 def sample(logits, temperature, keys):
-    """rollout.sample_tokens for temperature > 0 without top-p, fused: logits [B, V] (any float dtype and
-    strides), keys [B] int64 (rollout.sample_keys) -> tokens [B] int64, logprobs [B] fp32 (NaN for a row
+    """engine.sample_tokens for temperature > 0 without top-p, fused: logits [B, V] (any float dtype and
+    strides), keys [B] int64 (engine.sample_keys) -> tokens [B] int64, logprobs [B] fp32 (NaN for a row
     with a non-finite logit). Reads the logits twice and writes nothing else, where the PyTorch path makes
     about 20 passes over [B, V] (int64 hashes among them)."""
     B, V = logits.shape

@@ -14,10 +14,10 @@ Every response token t is trained with the PPO clipped surrogate, asymmetric cli
 
 (written in the default "seq-mean-token-mean" aggregation; see `aggregate` for the others).
 
-Asynchronous RL brings three policies. pi_gen sampled the tokens: a few weight versions stale, and a
-different kernel stack (bf16 inference engine vs. the trainer). pi_prox is the learner's own policy at
-the start of the step (its forward's logprobs, detached: with one optimizer step per batch no extra
-pass is needed). pi_theta is the policy being optimised, equal to pi_prox in value but carrying the
+Asynchronous RL brings three policies. pi_gen sampled the tokens: at most max_staleness weight versions
+old (rollout.py tells how), and a different kernel stack (bf16 inference engine vs. the trainer).
+pi_prox is the learner's own policy at the start of the step (its forward's logprobs, detached: with
+one optimizer step per batch no extra pass is needed). pi_theta is the policy being optimised, equal to pi_prox in value but carrying the
 gradient. The clipped ratio is rho = pi_theta / pi_gen: the trust region is held against the policy that
 sampled, as PPO's surrogate requires. (Decoupled PPO, as in AReaL, clips pi_theta / pi_prox and weights
 by pi_prox / pi_gen; with one step per batch that clip can never bind, since pi_theta = pi_prox, and
@@ -29,8 +29,8 @@ importance weight is already in it. The off-policy corrections act on that misma
   IcePop  c = 0 where w is outside [1/beta, beta] (the mismatch is too large to trust), else 1, so
           in-band tokens keep their importance weight w (GLM-5, IcePop, slime's icepop_function).
 Log-ratios are clamped to +-20 before exp: one token the policies disagree on wildly must give a huge
-but finite number, never inf. Whole samples that are too stale are dropped before any of this
-(`fresh_mask`), and groups whose rewards all agree have A = 0 and teach nothing (`informative`,
+but finite number, never inf. Whole samples older than max_staleness versions are dropped before any of
+this (`fresh_mask`, a guard: the generator's gate already keeps them fresh), and groups whose rewards all agree have A = 0 and teach nothing (`informative`,
 dynamic sampling).
 
 Shapes: B sequences (one per row, right padded), T tokens; `mask` is 1 on response tokens.
@@ -48,8 +48,8 @@ LOG_RATIO_CLAMP = 20.0  # |log pi / pi'| before exp (as verl and slime clamp)
 
 @dataclass
 class GRPOConfig:
-    """The objective's settings (the `grpo:` section of a config). A new loss knob is a field here plus
-    its use in policy_loss."""
+    """The objective's settings (the `grpo:` section of a config). A new loss knob is a field here, its
+    use in policy_loss, and its range in config.py's RULES (every value is checked at start-up)."""
     eps_low: float = 0.2  # clip rho = pi_theta / pi_gen below 1 - eps_low ...
     eps_high: float = 0.28  # ... and above 1 + eps_high ("clip higher")
     dual_clip: float | None = None  # cap the loss of A < 0 tokens at -A * dual_clip (> 1)
@@ -92,7 +92,8 @@ def fresh_mask(sample_versions, current_version, max_staleness):
     """[N] bool: keep samples at most `max_staleness` weight versions behind the learner.
     A partial rollout spans several versions (generation paused, weights swapped, resumed); the caller
     passes the OLDEST version a sample touched, so staleness is bounded for every token in it.
-    max_staleness = 0 is the synchronous baseline."""
+    max_staleness = 0 is the synchronous baseline. The learner applies it as a guard: the generator's
+    staleness gate (rollout.py) already holds every sample to this bound."""
     if max_staleness < 0:
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     v = torch.as_tensor(sample_versions, dtype=torch.long)

@@ -211,8 +211,8 @@ def full_weights(model, dtype=None):
 
 # Rank metrics become one row: counts and throughputs add up, maxima take the max, the rest (means
 # of equal-sized shares, or values already global) is averaged over the ranks that have the key.
-SUMMED = {"train/samples", "train/tokens", "staleness/dropped", "rollout/groups_dropped", "rollout/prompts_skipped",
-          "rollout/gen_tokens_per_s", "perf/tokens_per_s"}
+SUMMED = {"train/samples", "train/tokens", "train/masked", "staleness/dropped", "rollout/groups_dropped",
+          "rollout/prompts_skipped", "rollout/prompts_cancelled", "rollout/gen_tokens_per_s", "perf/tokens_per_s"}
 MAXED = {"staleness/max", "train/logp_diff_max", "perf/step_s", "perf/publish_s"}
 
 

@@ -36,7 +36,6 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -44,15 +43,16 @@ from transformers import AutoTokenizer
 import data
 import dsa
 import grpo
-from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, reference_model, save_checkpoint,
-                        set_rng_state, starting_point)
+from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, reference_model, run_main,
+                        save_checkpoint, set_rng_state, starting_point)
 from config import (H100_BYTES, LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config, ConfigError, architecture, check_paths, eval_sets, load_config,
                     load_run_config, plan_memory, save_config)
 from model import GLM
 from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy_rows, full_weights, global_sum,
                       init_processes, launch, learner_backward, micro_batches, optimizer_step, pair_devices,
                       parallel_learner, rank, set_threads, unwrap, world)
-from rollout import Generator, SamplingParams, evaluate, make_engine
+from engine import SamplingParams, make_engine
+from rollout import Generator, evaluate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_cpu.yaml")
 
@@ -68,14 +68,6 @@ def _chunk_logprobs(lm_head, h, targets, temperature, entropy):
     return logp, ent if entropy == "grad" else ent.detach()  # the metric alone needs no backward
 
 
-def spans(starts, lengths, device=None):
-    """Flat indices of the spans [start, start + length) one after the other, without a Python loop:
-    spans([0, 10], [2, 3]) = [0, 1, 10, 11, 12]."""
-    starts, lengths = torch.as_tensor(starts), torch.as_tensor(lengths)
-    ends = lengths.cumsum(0)
-    return (torch.repeat_interleave(starts - ends + lengths, lengths) + torch.arange(int(ends[-1]))).to(device)
-
-
 def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=True, entropy=None):
     """One forward over several sequences packed into a single row, without padding.
     rows: [(token ids, prompt length)]. Position ids restart at 0 for every sequence, which is how
@@ -87,12 +79,12 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     device = net.embed_tokens.weight.device
     lengths = [len(seq) for seq, _ in rows]
     ids = torch.tensor([t for seq, _ in rows for t in seq], device=device)[None]  # [1, L]
-    pos = spans([0] * len(rows), lengths, device)[None]  # [1, L]: 0 .. L_i - 1 for each sequence
+    pos = data.spans([0] * len(rows), lengths, device)[None]  # [1, L]: 0 .. L_i - 1 for each sequence
     # Position j predicts token j+1: a response of R tokens after P prompt tokens is scored at the
     # sequence's positions P-1 .. P+R-2. Only those are kept past the last block's attention (the others
     # are context only), and only they ever meet the [hidden, vocab] head.
     starts = [s + p - 1 for s, (_, p) in zip(itertools.accumulate([0] + lengths), rows)]
-    where = (spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device) if logprobs
+    where = (data.spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device) if logprobs
              else torch.zeros(0, dtype=torch.long, device=device))  # [N]; none for the indexer alone
     out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True, keep=where)
     hidden, kl = out if indexer_loss is not None else (out, None)  # [1, N, hidden]
@@ -210,19 +202,25 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     """One GRPO update on this rank's rollout batch (all ranks step together); returns the step's
     metrics. Loss sums and token means are global; sample counts are this rank's."""
     g, device = cfg.grpo, unwrap(model).lm_head.weight.device
+    # The staleness guard: the generator's gate already bounds every sample's age (rollout.py's docstring),
+    # so this drops nothing unless that gate is broken, and staleness/dropped then says so.
     fresh = grpo.fresh_mask([s.versions[0] for s in batch.samples], version, cfg.rollout.max_staleness)
     samples = [s for s, keep in zip(batch.samples, fresh.tolist()) if keep]
     stale = [version - s.versions[0] for s in samples]
-    metrics = {"staleness/max": max(stale, default=0), "staleness/mean": sum(stale) / max(1, len(stale)),
-               "staleness/dropped": len(batch.samples) - len(samples), "train/samples": len(samples)}
-    if global_sum(len(samples))[0] == 0:
-        return metrics  # nothing fresh anywhere: no step
 
-    # Advantages within each group. Groups are contiguous; a group may have lost stale members.
+    # Advantages within each group. Groups are contiguous; a group may have lost stale members. Masked
+    # samples (rollout.truncated: mask) count in their group's baseline, then leave: no loss, no forward.
     adv = torch.zeros(len(samples))
     for _, idx in itertools.groupby(range(len(samples)), key=lambda i: samples[i].group):
         idx = list(idx)
         adv[idx] = grpo.group_advantages([samples[i].reward for i in idx], len(idx), g.std_normalize)
+    kept = [i for i, s in enumerate(samples) if not s.masked]
+    samples, adv = [samples[i] for i in kept], adv[kept]
+    metrics = {"staleness/max": max(stale, default=0), "staleness/mean": sum(stale) / max(1, len(stale)),
+               "staleness/dropped": len(batch.samples) - len(stale), "train/masked": len(stale) - len(samples),
+               "train/samples": len(samples)}
+    if global_sum(len(samples))[0] == 0:
+        return metrics  # nothing to train on anywhere: no step
 
     # The batch's response tokens as flat [N] arrays (sample after sample); a micro-batch picks its
     # tokens out with one index (spans), and pads them to [B, T] for the loss with one masked_scatter.
@@ -231,7 +229,7 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     first = list(itertools.accumulate([0] + sizes))  # where each sample's tokens start in the flat arrays
     gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N]
     parts = micro_batches(model, data.pack_by_tokens([len(seq) for seq, _ in rows], cfg.optim.max_tokens_per_micro_batch))
-    tokens = [spans([first[i] for i in mb], [sizes[i] for i in mb], device) if mb else None for _, mb in parts]
+    tokens = [data.spans([first[i] for i in mb], [sizes[i] for i in mb], device) if mb else None for _, mb in parts]
     ref_logp = None
     if ref_model is not None:  # pi_ref, no grad, before the update
         ref_logp = torch.zeros_like(gen_logp)
@@ -336,7 +334,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
     gen = Generator(engine, stream, tokenizer, prompts_per_step=r.prompts_per_step // world(), n=r.n, sampling=sampling,
                     max_staleness=r.max_staleness, dynamic_sampling=r.dynamic_sampling, oversample=r.oversample,
                     chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, reward_fn=reward, seed=cfg.seed + 7919 * rank(),
-                    first_index=version, partial_rollout=r.partial_rollout, ready=ready)
+                    first_index=version, partial_rollout=r.partial_rollout, truncated=r.truncated, ready=ready)
     if version == 0:
         log.write("rl", 0, run_eval(cfg, engine, tokenizer, sets, stop_ids, reward))
     bar, m, acc = tqdm(total=t.rl_steps, initial=version, desc="rl", dynamic_ncols=True, disable=rank() != 0), {}, None
@@ -383,29 +381,6 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
 
 
 # ----------------------------------------------------------------------------- main
-
-
-def load_examples(cfg: Config, tokenizer, source, size, split):
-    """The examples of one data source whose prompts fit rollout.max_prompt_tokens; all of them are
-    tokenized here, before any work, so an impossible setting fails in the first seconds."""
-    if source == "synthetic":
-        if size is None:
-            raise ConfigError(f"data.{split}_size must be set for the synthetic task (how many problems)")
-        examples = data.synthetic_task(size, seed=cfg.seed, split="train" if split == "train" else "test")
-    else:
-        need_response = split == "train" and cfg.train.sft_steps > 0
-        examples = data.load_jsonl(source, cfg.data.prompt_key, cfg.data.label_key,
-                                   cfg.data.response_key if need_response else None)[:size]
-    lengths = data.prompt_lengths(tokenizer, examples, cfg.rollout.chat_template)
-    fit = [ex for ex, n in zip(examples, lengths) if n <= cfg.rollout.max_prompt_tokens]
-    if len(fit) < len(examples):
-        what = f"{len(examples) - len(fit)} of {len(examples)} prompts in {source} are longer than rollout.max_prompt_tokens=" \
-               f"{cfg.rollout.max_prompt_tokens} (the longest has {max(lengths)} tokens)"
-        if split != "train" or not fit:
-            raise ConfigError(what + ("" if fit else "; none is left to train on"))
-        if rank() == 0:
-            print(f"[train] {what}: they are skipped", flush=True)
-    return fit
 
 
 def main(argv=None):
@@ -463,8 +438,11 @@ def main(argv=None):
     try:  # data.py, model.py and transformers name the file and what was wrong: show that, not a traceback
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or start)
         reward = data.load_reward(cfg.data.reward)
-        train_examples = load_examples(cfg, tokenizer, cfg.data.train, cfg.data.train_size, "train")
-        sets = {name: load_examples(cfg, tokenizer, src, cfg.data.eval_size, "eval") for name, src in eval_sets(cfg).items()}
+        examples_of = lambda src, split: data.load_examples(  # noqa: E731  (all prompts tokenized now: fail in seconds)
+            src, tokenizer, cfg.data, split=split, seed=cfg.seed, sft=cfg.train.sft_steps > 0,
+            chat_template=cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens, verbose=rank() == 0)
+        train_examples = examples_of(cfg.data.train, "train")
+        sets = {name: examples_of(src, "eval") for name, src in eval_sets(cfg).items()}
         load = lambda path: GLM.from_pretrained(path, dsa=cfg.model.dsa, dtype=torch.float32, device=devices[1])  # noqa: E731
         ckpt, resume, model = (None, None, load(start)) if fresh else load_latest(run_dir, load, world())
     except (OSError, ValueError) as e:
@@ -504,22 +482,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Preempted as e:  # a checkpoint was written at the step boundary after SIGTERM / SIGINT
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"[train] {e}", file=sys.stderr)
-        sys.exit(128 + e.signum)
-    except (ConfigError, FloatingPointError, OSError) as e:  # a bad setting, the environment, a blown-up run: one line
-        if int(os.environ.get("RANK", 0)) == 0:  # every rank has the same error: show it once
-            sys.exit(f"error: {e.strerror.lower()}: {e.filename}" if isinstance(e, OSError) and e.filename else f"error: {e}")
-        sys.exit(1)
-    except KeyboardInterrupt:  # before training started: nothing to save
-        sys.exit("interrupted")
-    except Exception as e:  # noqa: BLE001
-        if int(os.environ.get("RANK", 0)) != 0 and isinstance(e, (RuntimeError, dist.DistError)):
-            sys.exit(1)  # a peer failed and its rank already said why; this rank's collective just broke
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_main(main)  # checkpoint.py: one-line errors, exit codes, and a preempted run's resume hint

@@ -1,5 +1,5 @@
 """
-Generation throughput of rollout.TorchEngine (continuous batching over a paged KV pool) against
+Generation throughput of engine.TorchEngine (continuous batching over a paged KV pool) against
 transformers' `generate` and against the static-batch engine it replaced (kept below as StaticEngine,
 a benchmark baseline only), on the same model and batch size, side by side in one run.
 
@@ -24,7 +24,7 @@ What is counted: new tokens that the requests asked for (the sum of their length
 clock, the same numerator for every engine; the median of --repeat rounds after a warm-up, each round
 running every engine once (interleaved, so that drift on the machine hits them alike).
 
-`--compile` adds a row, `compiled`: the same TorchEngine with its decode forward (rollout.decode_forward, the
+`--compile` adds a row, `compiled`: the same TorchEngine with its decode forward (engine.decode_forward, the
 model over the paged pool) under torch.compile (dynamic shapes, one graph; sampling stays eager). The engine
 has no such option: this row measures what compiling would buy on a CPU (on a GPU, CUDA graphs remove the
 per-op overhead instead). Its compile time is in the warm-up round, untimed, and printed apart.
@@ -44,13 +44,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig, KVCache  # noqa: E402
-import rollout  # noqa: E402
-from rollout import Completion, SamplingParams, TorchEngine  # noqa: E402
+import engine  # noqa: E402
+from engine import Completion, SamplingParams, TorchEngine  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
 class StaticEngine:
-    """The static-batch engine as rollout.TorchEngine was before continuous batching (a baseline for this
+    """The static-batch engine as engine.TorchEngine was before continuous batching (a baseline for this
     benchmark, not used anywhere else): batches of max_batch requests, longest prompt first, left-padded
     into a KVCache of prompt + max_new_tokens slots; each batch runs until its longest row is done, and
     rows that finish are copied out of the cache. One change for the `rl` workload: each request may
@@ -153,17 +153,17 @@ def hf_runner(hf, work, batch):
 
 
 def engine_runner(engine, work, decode_forward=None):
-    """Our engine (or the static one) on the workload; decode_forward replaces rollout's for the run."""
+    """Our engine (or the static one) on the workload; decode_forward replaces engine.py's for the run."""
     prompts = [p for p, _ in work]
     sampling = [SamplingParams(temperature=1.0, max_new_tokens=n) for _, n in work]
 
     def run():
-        plain = rollout.decode_forward
-        rollout.decode_forward = decode_forward or plain
+        plain = engine.decode_forward
+        engine.decode_forward = decode_forward or plain
         try:
             out = engine.generate(prompts, sampling, seed=0)
         finally:
-            rollout.decode_forward = plain
+            engine.decode_forward = plain
         assert [len(c.token_ids) for c in out] == [n for _, n in work]
     return run
 
@@ -238,14 +238,14 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         ours.save_pretrained(d)
         hf = Glm4ForCausalLM.from_pretrained(d, dtype=dtype).eval()
-    names = {"ours": "TorchEngine, continuous batching (rollout.py)", "static": "static batches (the engine before)",
+    names = {"ours": "TorchEngine, continuous batching (engine.py)", "static": "static batches (the engine before)",
              "hf": "transformers `generate`", "compiled": "TorchEngine, decode forward under torch.compile"}
     engines = args.engines.split(",") + (["compiled"] if args.compile else [])
     compiled = None
     if args.compile:  # compiled from scratch: an empty cache of inductor's, so that the compile time printed is a cold one
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache = tempfile.mkdtemp(prefix="bench-engine-inductor-")
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
-        compiled = torch.compile(rollout.decode_forward, dynamic=True, fullgraph=True)
+        compiled = torch.compile(engine.decode_forward, dynamic=True, fullgraph=True)
     results, firsts = {}, []
     for shape, work in workloads(cfg, args.batch).items():
         tokens = sum(n for _, n in work)

@@ -47,7 +47,8 @@ import parallel  # noqa: E402
 import train  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
-from rollout import RolloutBatch, Sample, SamplingParams, TorchEngine  # noqa: E402
+from engine import SamplingParams, TorchEngine  # noqa: E402
+from rollout import RolloutBatch, Sample  # noqa: E402
 
 # Defaults per preset; a flag given on the command line wins. --tiny keeps the CPU run under ~1 GB.
 FULL = dict(layers=4, samples=32, prompt=256, response=1024, tokens=16384, gen_batch="64,128,256", new_tokens=512,
@@ -162,7 +163,7 @@ def main():
     learner_mem = peak_gib(device)
     mfu = f"{step_flops / step / (peak * 1e12 * world):.1%}" if peak else "n/a"
 
-    # ---- generator: a second copy in the engine's dtype (rollout.make_engine: bf16 on cuda, fp32 on CPU)
+    # ---- generator: a second copy in the engine's dtype (engine.make_engine: bf16 on cuda, fp32 on CPU)
     gen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         gen_model = GLM(arch).to(gen_dtype)
@@ -191,7 +192,7 @@ def main():
     if arch.dsa:  # and the indexer keys of every position, on F layers
         kv_read += arch.dsa.layer_kinds(arch.num_layers).count("F") * arch.dsa.head_dim * bf16 * context
     gen = []
-    for B in batches:  # on CUDA each batch size runs eagerly, then as CUDA graphs (rollout.DecodeGraphs)
+    for B in batches:  # on CUDA each batch size runs eagerly, then as CUDA graphs (engine.DecodeGraphs)
         for graphs in (False, True) if device.type == "cuda" else (False,):
             engine.max_batch, engine.use_graphs, engine.graphs = B, graphs, None
             prompts = [torch.randint(0, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(B)]

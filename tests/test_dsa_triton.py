@@ -481,40 +481,40 @@ def test_the_model_runs_the_kernels_and_matches_pytorch(monkeypatch):
 # ----------------------------------------------------------------------------------------------- sampling
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sample_is_rollout_sample_tokens(monkeypatch, dtype):
-    """The fused sampler against rollout.sample_tokens' PyTorch path (the specification) on the same logits:
+def test_sample_is_engine_sample_tokens(monkeypatch, dtype):
+    """The fused sampler against engine.sample_tokens' PyTorch path (the specification) on the same logits:
     the same tokens (same hashed noise, same argmax) and logprobs within 1e-6, over several vocabulary
     blocks and a partial one, three temperatures, a [B, 1, V] view's strides, and rows with an inf or a
     NaN logit (uniform draw, logprob NaN). A wrong noise key would change most tokens."""
-    import rollout
+    import engine
     monkeypatch.setattr(dsa_triton, "SAMPLE_BLOCK", 64)
     torch.manual_seed(0)
     B, V = 12, 300
     logits = (torch.randn(B, 1, V) * 3).to(dtype)[:, -1]  # strides (V, 1) of a decode step's last position
     logits[5, 17], logits[7, 3] = float("inf"), float("nan")
-    keys = rollout.sample_keys(torch.arange(B) * 7919 % 2**32, torch.full((B,), 3))
+    keys = engine.sample_keys(torch.arange(B) * 7919 % 2**32, torch.full((B,), 3))
     for t in (1.0, 0.7, 2.0):
         monkeypatch.setattr(dsa, "USE_TRITON", False)
-        ref_tok, ref_lp = rollout.sample_tokens(logits, rollout.SamplingParams(temperature=t), keys)
+        ref_tok, ref_lp = engine.sample_tokens(logits, engine.SamplingParams(temperature=t), keys)
         monkeypatch.setattr(dsa, "USE_TRITON", True)
         calls = []
         monkeypatch.setattr(dsa_triton, "sample", lambda *a, _real=dsa_triton.sample: calls.append(1) or _real(*a))
-        tok, lp = rollout.sample_tokens(logits, rollout.SamplingParams(temperature=t), keys)
+        tok, lp = engine.sample_tokens(logits, engine.SamplingParams(temperature=t), keys)
         assert calls and torch.equal(tok, ref_tok)
         assert torch.equal(lp.isnan(), ref_lp.isnan()) and lp.isnan()[[5, 7]].all()
         assert torch.allclose(lp.nan_to_num(), ref_lp.nan_to_num(), atol=1e-6, rtol=0)
         assert (dsa_triton.sample(logits, t, keys + 1)[0] != ref_tok).float().mean() > 0.5
     calls.clear()  # greedy and top-p stay on the PyTorch path
-    rollout.sample_tokens(logits, rollout.SamplingParams(temperature=0), keys)
-    rollout.sample_tokens(logits, rollout.SamplingParams(temperature=1.0, top_p=0.9), keys)
+    engine.sample_tokens(logits, engine.SamplingParams(temperature=0), keys)
+    engine.sample_tokens(logits, engine.SamplingParams(temperature=1.0, top_p=0.9), keys)
     assert not calls
 
 
 def test_sample_noise_is_finite_at_glms_vocabulary(monkeypatch):
-    """The kernel on the key and token of test_rollout's finite-noise test (a hash with its top 24 bits set):
+    """The kernel on the key and token of test_engine's finite-noise test (a hash with its top 24 bits set):
     the token with logit -60 is not drawn, and the draw is the PyTorch path's."""
-    import rollout
-    from test_rollout import key_with_a_full_hash
+    import engine
+    from test_engine import key_with_a_full_hash
     V = 151552
     key, tok = key_with_a_full_hash(V)
     logits = torch.zeros(1, V)
@@ -522,27 +522,27 @@ def test_sample_noise_is_finite_at_glms_vocabulary(monkeypatch):
     drawn, lp = dsa_triton.sample(logits, 1.0, torch.tensor([key]))
     assert int(drawn) != tok
     monkeypatch.setattr(dsa, "USE_TRITON", False)
-    ref = rollout.sample_tokens(logits, rollout.SamplingParams(temperature=1.0), torch.tensor([key]))
+    ref = engine.sample_tokens(logits, engine.SamplingParams(temperature=1.0), torch.tensor([key]))
     assert torch.equal(drawn, ref[0]) and torch.allclose(lp, ref[1], atol=1e-6)
 
 
 def test_engine_on_the_kernels_generates_what_pytorch_does(monkeypatch):
     """TorchEngine where the kernels run (CUDA; here the interpreter): paged decode attention on the
     Triton kernel and the fused sampler give the sampled tokens and logprobs of the PyTorch path."""
-    import rollout
+    import engine
     from model import GLM, GLMConfig
     torch.manual_seed(0)
     m = GLM(GLMConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=16))
-    prompts, sp = [[1, 2, 3], [4, 5], [6]] * 2, rollout.SamplingParams(temperature=1.0, max_new_tokens=10)
+    prompts, sp = [[1, 2, 3], [4, 5], [6]] * 2, engine.SamplingParams(temperature=1.0, max_new_tokens=10)
     monkeypatch.setattr(dsa, "USE_TRITON", False)
-    ref = rollout.TorchEngine(m, max_batch=4).generate(prompts, sp, seed=1)
+    ref = engine.TorchEngine(m, max_batch=4).generate(prompts, sp, seed=1)
     monkeypatch.setattr(dsa, "USE_TRITON", True)
     calls = []
     for name in ("sample", "sparse_attention"):
         real = getattr(dsa_triton, name)
         monkeypatch.setattr(dsa_triton, name, lambda *a, _real=real, _n=name, **k: calls.append(_n) or _real(*a, **k))
-    got = rollout.TorchEngine(m, max_batch=4).generate(prompts, sp, seed=1)
+    got = engine.TorchEngine(m, max_batch=4).generate(prompts, sp, seed=1)
     assert {"sample", "sparse_attention"} <= set(calls)
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     assert [lp for c in got for lp in c.logprobs] == pytest.approx([lp for c in ref for lp in c.logprobs], abs=1e-5)

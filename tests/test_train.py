@@ -25,8 +25,9 @@ import dsa
 import grpo
 import parallel
 import train
+from engine import SamplingParams, TorchEngine
 from model import GLM, GLMConfig
-from rollout import RolloutBatch, Sample, SamplingParams, TorchEngine
+from rollout import RolloutBatch, Sample
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -105,6 +106,38 @@ def test_rl_step_on_policy_and_staleness_filter(rollouts):
     # Same weights as the generator, so the learner's own forward (pi_prox) is the generator's logprobs.
     assert m["train/logp_diff_max"] < 1e-4
     assert m["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_masked_samples_count_in_their_group_baseline_but_not_in_the_loss(rollouts):
+    """rollout.truncated: mask. A masked sample's reward stays in its group's mean and std, but it is out of the
+    loss: the gradient is that of the clipped loss over the other samples alone, with the advantages of the
+    whole groups, every denominator counting only them."""
+    model, _, prompts, comps = rollouts
+    batch = make_batch(prompts, comps, [(0, 0)] * len(comps))
+    masked = {0, 5, 9}  # the first of a rewarded group, the second of another, one of a uniform group
+    for i in masked:
+        batch.samples[i].masked = True
+    learner = copy.deepcopy(model)
+    cfg, opt, guard = rl_setup(learner, **{"grpo.agg": "seq-mean-token-mean", "optim.grad_clip": 1e9})  # grads unclipped
+    m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+    assert m["train/masked"] == 3 and m["train/samples"] == len(comps) - 3
+    got = torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None])
+    # The reference, written out: advantages over the full groups, the loss over the kept samples only
+    ref_model = copy.deepcopy(model)
+    rewards = torch.tensor([s.reward for s in batch.samples], dtype=torch.float64)
+    adv = grpo.group_advantages(rewards, 2)
+    keep = [i for i in range(len(comps)) if i not in masked]
+    per_sample = []
+    for i in keep:
+        s = batch.samples[i]
+        logp, _, _ = train.packed_forward(ref_model, [(s.prompt_ids + s.response_ids, len(s.prompt_ids))], 0.7)
+        ratio = torch.exp(logp - torch.tensor(s.gen_logprobs))
+        clipped = torch.maximum(-adv[i] * ratio, -adv[i] * ratio.clamp(1 - 0.2, 1 + 0.28))
+        w = torch.exp(logp.detach() - torch.tensor(s.gen_logprobs))
+        per_sample.append((clipped * ((w >= 0.5) & (w <= 2.0))).mean())
+    (torch.stack(per_sample).sum() / len(keep)).backward()
+    want = torch.cat([p.grad.flatten() for p in ref_model.parameters() if p.grad is not None])
+    torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("agg", grpo.AGG_MODES)

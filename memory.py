@@ -1,0 +1,238 @@
+"""
+The per-GPU memory plan that `python train.py --dry-run` prints (plumbing, like config.py): what one
+learner GPU and one generator GPU hold at their peak, worked out from the model's shapes alone, before
+any weights load or any GPU is touched. Each item follows what the code allocates: the learner of
+train.py (FSDP2 or DDP, fp32 master weights, bf16 compute, AdamW, chunked logits, checkpointing) and
+the engine of engine.py (its model.PagedKVCache, prefills, decode steps and CUDA graphs). A buffer the
+GPU path allocates and this plan omits is a bug.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+import dsa
+import dsa_triton
+from dsa import FP32_PARAMS
+from engine import PREFILL_TOKENS
+from model import BLOCK_SIZE, GLM, GROUP_RATIO, GLMConfig
+
+# Transients that never coexist (one chunk's logits, one recomputed block, a reduce-scatter buffer) enter
+# as the largest of them. Sizes in bytes, tables in GiB (2^30): an "80 GB" H100 shows 79.6 GiB in
+# nvidia-smi, so gpu_bytes=80e9 (74.5 GiB) is on the safe side.
+
+GiB = 2**30
+# CUDA context (~0.5 GiB), NCCL buffers and the caching allocator's fragmentation (freed blocks of the
+# wrong size): a "fits" that does not leave this much free would not survive a real run.
+OVERHEAD = 3 * GiB
+
+
+@dataclass
+class MemoryPlan:
+    params: int  # total parameter count
+    learner: list[tuple[str, int]]  # (item, bytes) on one learner GPU
+    generator: list[tuple[str, int]]  # (item, bytes) on one generator GPU
+    settings: dict = field(default_factory=dict)  # memory_plan's arguments, and the KV cache bytes per token
+
+    def learner_bytes(self) -> int:
+        return sum(b for _, b in self.learner)
+
+    def generator_bytes(self) -> int:
+        return sum(b for _, b in self.generator)
+
+    def _gpus(self, gpu_bytes):
+        """(title, items, bytes needed, bytes allowed) per GPU kind; SGLang's weights live in its static pool."""
+        s = self.settings
+        pool = gpu_bytes * s["sglang_mem_fraction"] if s["engine"] == "sglang" else gpu_bytes
+        return [(f"learner GPU ({s['parallel']} over {s['learner_gpus']})", self.learner, self.learner_bytes(), gpu_bytes),
+                (f"generator GPU ({s['engine']} engine)", self.generator, self.generator_bytes(), pool)]
+
+    def text(self, gpu_bytes) -> str:
+        s = self.settings
+        out = [f"memory plan: {self.params / 1e9:.2f}B parameters, GPU {gpu_bytes / 1e9:.1f} GB = {gpu_bytes / GiB:.1f} GiB"]
+        for title, items, need, allowed in self._gpus(gpu_bytes):
+            out += [f"{title:<72} GiB"] + [f"  {item:<70} {b / GiB:6.2f}" for item, b in items]
+            verdict = "fits" if need <= allowed else "does NOT fit"
+            out.append(f"  {'total':<70} {need / GiB:6.2f}  {verdict} in {allowed / GiB:.1f} GiB")
+        if s["engine"] == "sglang":
+            kv = gpu_bytes * s["sglang_mem_fraction"] - self.generator_bytes()
+            out.append(f"  SGLang's KV pool: the rest of its share, {kv / GiB:.1f} GiB = {max(0, int(kv)) // s['kv_token']} "
+                       f"tokens (batch x max_len = {s['generator_batch'] * s['generator_max_len']}; fewer rows run at once "
+                       f"if short); CUDA graphs and activations use the other {1 - s['sglang_mem_fraction']:.0%}, not modelled")
+        return "\n".join(out)
+
+    def problems(self, gpu_bytes) -> list[str]:
+        s, out = self.settings, []
+        (lt, _, lneed, lgpu), (gt, _, gneed, gpool) = self._gpus(gpu_bytes)
+        if lneed > lgpu:
+            fix = ["train.parallel: fsdp (shards weights, grads and AdamW state)"] if s["parallel"] == "ddp" else []
+            fix += [] if s["gradient_checkpointing"] else ["model.gradient_checkpointing: true"]
+            fix += ["more GPU pairs (train.pairs, or more nodes)", "a smaller optim.max_tokens_per_micro_batch"]
+            fix += ["grpo.kl_coef: 0 and grpo.kl_guard: false (no reference model)"] if s["reference"] else []
+            out.append(f"{lt} needs {lneed / GiB:.1f} GiB of {lgpu / GiB:.1f}: " + "; ".join(fix))
+        if s["engine"] == "torch" and gneed > gpool:
+            out.append(f"{gt} needs {gneed / GiB:.1f} GiB of {gpool / GiB:.1f}: a smaller rollout.kv_cache_tokens (null: "
+                       "max_batch x (prompt + new tokens)) or rollout.max_batch")
+        if s["engine"] == "sglang" and gneed + s["kv_token"] * s["generator_max_len"] > gpool:
+            out.append(f"{gt}: SGLang's share ({gpool / GiB:.1f} GiB) cannot hold the weights and one sequence's KV "
+                       "cache: a larger rollout.sglang_mem_fraction")
+        if s["engine"] == "sglang" and gpu_bytes - gpool < OVERHEAD:
+            out.append(f"{gt}: SGLang leaves under {OVERHEAD / GiB:.0f} GiB for CUDA graphs and activations: "
+                       "a smaller rollout.sglang_mem_fraction")
+        return out
+
+
+def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad, kernels):
+    """Bytes of DSA's largest transient in one layer. select_topk scores c queries at a time: with the
+    Triton kernels fp32 [B, c, Tk] (+ mask, int64 tie-free keys and topk's workspace: ~29 bytes a score),
+    else [B, c, H_I, Tk] fp32 and its ReLU. Sparse attention: with the kernels, nothing gathered; its
+    backward holds dQ [Tq, H, D] and dK, dV [Tk, Hkv, D] in fp32 and a slot buffer of at most
+    dsa_triton.BWD_BUFFER_BYTES. Without them, gathered keys and values [B, Hkv, c, K, D] bf16 (GPU chunk),
+    their fp32 copies and the logits and probabilities [B, Hkv, c, G, K] fp32; with grad a chunk is
+    recomputed in backward and its gradients join it."""
+    K, D, Hkv = min(cfg.dsa.topk, Tk), cfg.head_dim, cfg.num_kv_heads
+    if kernels:
+        c = min(Tq, max(1, dsa.CHUNK_ELEMENTS // (B * Tk)))
+        scores = c * B * Tk * 29
+        attn = B * Tq * cfg.num_heads * 4 * 2  # LSE and Delta [B, Tq, H] fp32
+        if grad:
+            attn += (min(dsa_triton.BWD_BUFFER_BYTES, B * Tq * K * Hkv * D * 4 * 2)
+                     + B * Tq * cfg.num_heads * D * 4 + 2 * B * Tk * Hkv * D * 4)
+        return max(scores, attn)
+    per_q = B * cfg.dsa.heads * Tk
+    scores = min(Tq, max(1, dsa.CHUNK_ELEMENTS // per_q)) * per_q * 4 * 2  # a chunk is at most all Tq queries
+    per_q = B * K * Hkv * D
+    c = min(Tq, max(1, dsa.GATHER_ELEMENTS * dsa.GATHER_GPU_FACTOR // per_q))
+    return max(scores, ((2 + 4) * 2 * c * per_q + 2 * 4 * c * B * K * cfg.num_heads) * (2 if grad else 1))
+
+
+def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
+                gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
+                generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
+                kv_cache_tokens: int | None = None, cuda_graphs: bool = False, prefill_tokens: int = PREFILL_TOKENS, group_size: int = 1,
+                sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
+                dsa_kernels: bool = True) -> MemoryPlan:
+    """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
+    micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
+    up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
+    (None: every row at full length), prefills of prefill_tokens whose contexts the group_size samples of a
+    prompt share; cuda_graphs: decode steps replayed as CUDA graphs; "sglang": its share of the GPU). logit_chunk:
+    response tokens per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch
+    keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA and the sampler run
+    dsa_triton's kernels (dsa.USE_TRITON)."""
+    assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
+    assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
+    with torch.device("meta"):
+        named = dict(GLM(cfg).named_parameters())  # exact counts, no memory; a tied lm_head appears once
+
+    def count(keep):
+        return sum(p.numel() for n, p in named.items() if keep(n))
+
+    P = count(lambda n: True)
+    Pt = P - (0 if trainable_indexer else count(lambda n: ".indexer." in n))  # RL keeps the indexer frozen
+    P32 = count(lambda n: n.endswith(FP32_PARAMS))  # small indexer tensors every copy keeps in fp32
+    root = count(lambda n: not n.startswith("layers."))  # embed_tokens, norm, lm_head
+    # bf16 bytes of one decoder layer as FSDP gathers it (an F layer if DSA: its indexer is gathered in fp32)
+    layer = max(2 * count(lambda n: n.startswith(f"layers.{i}.")) + 2 * count(lambda n: n.startswith(f"layers.{i}.self_attn.indexer."))
+                for i in range(cfg.num_layers))
+    L, N, T, h, I = cfg.num_layers, learner_gpus, micro_batch_tokens, cfg.hidden_size, cfg.intermediate_size
+    HD, KD, V, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size, cfg.num_heads
+    n_F = cfg.dsa.layer_kinds(L).count("F") if cfg.dsa else 0
+
+    # Learner activations of one packed row of T tokens. The residual stream is bf16 (a = 2 bytes) under
+    # FSDP (bf16 weights) and DDP alike (model.GLM.forward casts it to autocast's dtype).
+    a = 2
+    pad = 1 / GROUP_RATIO  # attention regroups the row's sequences, right-padded: at most this many slots a token
+    block = T * (4 * (4 + 2 * a) * h  # 4 RMSNorms: fp32 copy of the input, normalised, output [T, h]
+                 + 2 * 2 * (HD + KD) + 2 * KD  # q [T, H*D], k [T, Hkv*D] before and after RoPE; v [T, Hkv*D]
+                 + int(pad * (2 * (HD + 2 * KD) + 2 * HD + 4 * H))  # per group: q, k, v, output bf16, LSE fp32
+                 + 2 * HD  # the attention output back in row order [T, H*D] (no mask anywhere: flash kernel)
+                 + 2 * (2 * I + I + I)  # gate_up [T, 2I], silu(gate) [T, I], act = silu(gate) * up [T, I]
+                 + a * h)  # residual after attention [T, h]
+    block_grads = T * 2 * 4 * I  # backward's gradients of the MLP tensors [T, 4I] bf16
+    sparse = cfg.dsa is not None and cfg.dsa.topk < T
+    if sparse:  # DSA inside the block: select_topk without grad, sparse_attention's chunks with
+        block_grads += _dsa_block(cfg, 1, T, T, grad=True, kernels=dsa_kernels)
+    if gradient_checkpointing:
+        saved = ("block inputs kept by checkpointing [T, h] x layers", L * T * h * a)
+        one_block = ("one block recomputed + grads", block + block_grads)
+    else:
+        saved = ("every block's activations (no checkpointing)", L * block)
+        one_block = ("one block's gradients", block_grads)
+    # lm_head on one chunk: bf16 [c, V], then fp32 logits / temperature, log_softmax, shifted z, softmax
+    # and, in backward, their gradients: 5.5 fp32 [c, V] at the peak (measured on CPU).
+    logits = (f"logits of a chunk fp32 [{min(logit_chunk, T)}, vocab] x5.5", int(5.5 * min(logit_chunk, T) * V * 4))
+
+    if parallel == "fsdp":  # FSDP2: fully_shard per decoder layer + root; bf16 params, fp32 reduce
+        learner = [(f"fp32 master weights (1/{N})", 4 * P // N), (f"fp32 grads, trainable (1/{N})", 4 * Pt // N),
+                   (f"AdamW exp_avg + exp_avg_sq fp32 (1/{N})", 8 * Pt // N)]
+        learner += [(f"reference model fp32 (1/{N})", 4 * P // N)] if reference else []
+        learner += [("bf16 root (embed, norm, lm_head), gathered all step", 2 * root),
+                    ("bf16 decoder layers gathered: current + prefetched", 2 * layer),
+                    ("bf16 root grads (lm_head's from the first chunk on)", 2 * root)]
+        one_block = (one_block[0] + " (+ layer's bf16/fp32)", one_block[1] + 3 * layer)
+        transients = [logits, one_block, ("root grads' fp32 reduce-scatter copy", 4 * root),
+                      ("publishing: one gathered bf16 tensor", 2 * max(p.numel() for p in named.values()))]
+    else:  # DDP: full replicas; autocast caches the bf16 cast of every weight a matmul uses until it exits
+        learner = [("fp32 weights", 4 * P), ("fp32 grads, trainable", 4 * Pt),
+                   ("DDP gradient buckets fp32 (a second copy of the grads)", 4 * Pt),
+                   ("AdamW exp_avg + exp_avg_sq fp32", 8 * Pt)]
+        learner += [("reference model fp32", 4 * P)] if reference else []
+        learner += [("autocast's bf16 weight copies (held to the forward's end)",
+                     2 * (Pt - (0 if cfg.tie_word_embeddings else V * h)))]  # the embedding table is not cast
+        transients = [logits, one_block]
+    # a micro-batch with few response tokens keeps its log-probs [N, vocab] fp32 (and the entropy bonus's exp)
+    learner += [("small micro-batch's log-softmax kept for backward (2 x logit_keep)", 2 * logit_keep)]
+    learner += [saved] + ([("DSA top-k idx int64 + valid [T, topk] per F layer", n_F * T * cfg.dsa.topk * 9)]
+                          if sparse else [])
+    name, peak = max(transients, key=lambda t: t[1])
+    learner += [(f"largest transient: {name}", peak), ("CUDA context, NCCL, fragmentation", OVERHEAD)]
+
+    # Generator: our engine holds bf16 weights (dsa.FP32_PARAMS in fp32) and one PagedKVCache of T token slots
+    # (keys and values [T, Hkv, D] per layer, indexer keys [T, d_I] on F layers), shared by rollout and eval
+    # (calls take turns, engine.py). Per row: a block table, its tokens and logprobs so far, and each decode
+    # step's key slots [B, S]. Its transients: a prefill (one packed row of at most prefill_tokens, or one
+    # longer context alone) or a decode step (logits and the sampler's hashed noise [B, V], DSA's scores).
+    # With CUDA graphs the graphs' memory pool keeps a decode forward at B rows for good.
+    B, S = generator_batch, generator_max_len
+    blocks = -(-kv_cache_tokens // BLOCK_SIZE) if kv_cache_tokens else B * -(-S // BLOCK_SIZE)  # as TorchEngine._open
+    T = (blocks + 1) * BLOCK_SIZE  # and the scratch block
+    kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0))
+    if engine == "sglang":
+        generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P + 2 * P32)]
+    else:
+        # Prefill: one packed row of M tokens, no grad, everything bf16 but RMSNorm's internals; attention runs
+        # on groups of similar-length sequences (right-padded, no mask). The samples sharing a context take
+        # its keys from the row: every further copy's (pool slot, row token) int64 pairs, one copy's keys
+        # gathered at a time.
+        M = max(prefill_tokens, S)
+        prefill = M * (2 * h + max(2 * (h + 4 * I),  # residual [M, h] + normed input, gate_up [M, 2I], silu, act
+                                   2 * (h + 2 * (HD + 2 * KD) + HD)  # or q, k, v before and after RoPE, out
+                                   + int(pad * (2 * (HD + 2 * KD) + 2 * HD + 4 * H)),  # + the groups' q, k, v, out, LSE
+                                   3 * 4 * h)  # or RMSNorm's fp32 temps
+                       + 16 * (group_size - 1) + 2 * KD)  # the copies' (slot, source) pairs; one copy's keys
+        # A decode step: the forward's bf16 logits [B, V] (with DSA the rows' indexer keys gathered [B, S, d_I] and
+        # their scores); then sampling: fp32 logits, / temperature, log_softmax, exp (greedy eval's path), and,
+        # without the kernels (dsa_triton.sample), the noise's int64 hashes
+        dsa_decode = 0
+        if cfg.dsa is not None and cfg.dsa.topk < S:
+            dsa_decode = 2 * B * S * cfg.dsa.head_dim + _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
+        sampling = 4 * B * V * 4 + (0 if dsa_kernels else 3 * B * V * 8)  # the fused sampler hashes on chip
+        if cfg.dsa is not None and cfg.dsa.topk < M:
+            prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
+        steps = [(f"prefill of {M} packed tokens", prefill)]
+        rows = B * (S // BLOCK_SIZE + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
+        generator = [("bf16 weights (indexer weights_proj, k_norm fp32)", 2 * P + 2 * P32),
+                     (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
+                     (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
+        forward = 2 * B * V + 2 * B * (h + 2 * I) + dsa_decode
+        if cuda_graphs:  # the graphs' pool holds the largest bucket's forward for good (captured first, the others
+            # reuse its memory); static buffers beside it. A capture's eager warm-up still runs beside the pool.
+            generator += [(f"CUDA graphs' pool: a decode forward of {B} rows", forward),
+                          (f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]", B * (S * 9 + 16) + 2 * B * V)]
+        steps.append(("a decode step (logits, activations, DSA scores, sampling)", forward + sampling))
+        name, peak = max(steps, key=lambda t: t[1])
+        generator += [(f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
+    settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
+                    reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,
+                    generator_batch=B, generator_max_len=S, kv_token=kv_token, kv_cache_tokens=T, cuda_graphs=cuda_graphs)
+    return MemoryPlan(P, learner, generator, settings)

@@ -1,0 +1,104 @@
+"""memory.py: the per-GPU memory plan against parameter counts and item sizes written out by hand from
+the architecture, the 9B recipe on an H100, FSDP's sharding and the plan's verdicts."""
+from dataclasses import replace
+
+import torch
+
+from dsa import DSAConfig
+from memory import memory_plan
+from model import GLM, GLMConfig, PagedKVCache
+
+TINY = GLMConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=4, num_kv_heads=2,
+                 head_dim=16, dsa=DSAConfig(topk=8, heads=2, head_dim=8, rope_dim=4, pattern="FS"))
+NINE_B = GLMConfig(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_layers=40, num_heads=32,
+                   num_kv_heads=2, head_dim=128)  # GLM-Z1-9B-0414
+RECIPE = dict(learner_gpus=4, parallel="fsdp", micro_batch_tokens=16384, gradient_checkpointing=True,
+              trainable_indexer=False, reference=False, generator_batch=128, generator_max_len=1024 + 16384,
+              max_new_tokens=16384, engine="torch")
+H100 = 80e9  # "80 GB" in bytes = 74.5 GiB (nvidia-smi shows 79.6 GiB: this is the cautious side)
+
+
+def tiny_plan(**kw):
+    args = dict(learner_gpus=2, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
+                trainable_indexer=False, reference=False, generator_batch=3, generator_max_len=40, max_new_tokens=30,
+                engine="torch")
+    return memory_plan(TINY, **(args | kw))
+
+
+def hand_counts(c: GLMConfig):
+    """(total, indexer) parameters written out from the architecture, independently of model.py."""
+    h, I, HD, KD = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = (h * HD + HD) + 2 * (h * KD + KD) + HD * h + h * 2 * I + I * h + 4 * h  # q, k, v (bias), o, mlp, 4 norms
+    d = c.dsa
+    indexer = h * d.heads * d.head_dim + h * d.head_dim + 2 * d.head_dim + h * d.heads if d else 0  # wq, wk, k_norm, w
+    n_F = d.layer_kinds(c.num_layers).count("F") if d else 0
+    return 2 * c.vocab_size * h + h + c.num_layers * layer + n_F * indexer, n_F * indexer
+
+
+def test_memory_plan_counts_parameters_exactly():
+    for cfg in (TINY, replace(TINY, dsa=None), replace(TINY, dsa=None, tie_word_embeddings=True)):
+        plan = memory_plan(cfg, **(RECIPE | {"generator_batch": 2, "generator_max_len": 8, "max_new_tokens": 4}))
+        assert plan.params == sum(p.numel() for p in GLM(cfg).parameters())
+    assert tiny_plan().params == hand_counts(TINY)[0]
+
+
+def test_memory_plan_items_against_hand_formulas():
+    P, indexer = hand_counts(TINY)
+    Pt = P - indexer  # the indexer is frozen in RL
+    fsdp = dict(tiny_plan().learner)
+    assert fsdp["fp32 master weights (1/2)"] == 4 * P // 2
+    assert fsdp["fp32 grads, trainable (1/2)"] == 4 * Pt // 2
+    assert fsdp["AdamW exp_avg + exp_avg_sq fp32 (1/2)"] == 2 * 4 * Pt // 2
+    assert fsdp["bf16 root (embed, norm, lm_head), gathered all step"] == 2 * (2 * 97 * 48 + 48)
+    assert dict(tiny_plan(reference=True).learner)["reference model fp32 (1/2)"] == 4 * P // 2
+    ddp = dict(tiny_plan(parallel="ddp", trainable_indexer=True).learner)
+    assert ddp["fp32 weights"] == 4 * P and ddp["fp32 grads, trainable"] == 4 * P
+    assert ddp["AdamW exp_avg + exp_avg_sq fp32"] == 8 * P
+    assert ddp["DDP gradient buckets fp32 (a second copy of the grads)"] == 4 * P
+    gen = dict(tiny_plan().generator)
+    fp32_indexer = 2 * (2 * 8 + 48 * 2)  # k_norm [8] x2 and weights_proj [2, 48] on the 2 F layers
+    assert gen["bf16 weights (indexer weights_proj, k_norm fp32)"] == 2 * P + 2 * fp32_indexer
+    # KV pool of 3 rows x 40 slots, each row in 3 blocks of 16, and the scratch block: 160 slots, keys + values
+    # [160, 2, 16] on 3 layers, indexer keys [160, 8] on the 2 F layers
+    bf16 = 2
+    kv = bf16 * 2 * 3 * (160 * 2 * 16) + bf16 * 2 * (160 * 8)
+    pool = PagedKVCache(TINY, 9, 16, dtype=torch.bfloat16)  # and what PagedKVCache really allocates
+    real = sum(t.numel() * t.element_size() for t in pool.k + pool.v + [t for t in pool.index_k if t is not None])
+    assert gen["paged KV pool bf16, 160 token slots (rollout and eval, one at a time)"] == kv == real
+    assert dict(tiny_plan(kv_cache_tokens=64).generator)["paged KV pool bf16, 80 token slots (rollout and eval, one at a time)"] == kv * 80 // 160
+    # rows: block tables [3, 40 // 16 + 1] int64, tokens + logprobs [3, 30], a step's key slots and valid [3, 40]
+    assert gen["3 rows: block tables, tokens + logprobs, a step's key slots"] == 3 * 3 * 8 + 3 * 30 * 12 + 3 * 40 * 9
+    prefill = lambda **kw: dict(tiny_plan(**kw).generator)["largest transient: prefill of 4096 packed tokens"]
+    assert prefill(group_size=8) - prefill() == 4096 * 7 * (8 + 8)  # 7 further copies' int64 (slot, source) pairs
+    plan = tiny_plan()
+    assert plan.learner_bytes() == sum(fsdp.values()) and plan.generator_bytes() == sum(gen.values())
+
+
+def test_memory_plan_fsdp_shards_scale_with_gpus():
+    shards = [{n.replace(f"(1/{g})", ""): b for n, b in tiny_plan(learner_gpus=g).learner if f"(1/{g})" in n}
+              for g in (1, 2, 4, 8)]
+    assert len(shards[0]) == 3
+    for g, s in zip((1, 2, 4, 8), shards):
+        for name, b in s.items():
+            assert abs(b * g - shards[0][name]) < g, name  # integer division only
+
+
+def test_memory_plan_9b_recipe_on_h100():
+    plan = memory_plan(NINE_B, **RECIPE)
+    assert 9.3e9 < plan.params < 9.5e9
+    assert plan.learner_bytes() < H100 - 15 * 2**30  # FSDP over 4, 16K-token micro-batches: ~56 GiB, room to spare
+    assert not any(p.startswith("learner") for p in plan.problems(H100))
+    # Without a budget the pool holds every row at full length: 128 x 17408 x 40 KiB = 85 GiB of KV alone.
+    assert dict(plan.generator)["paged KV pool bf16, 2228240 token slots (rollout and eval, one at a time)"] == (128 * 17408 + 16) * (40 * 2 * 2 * 128 * 2)
+    assert any("rollout.kv_cache_tokens" in p for p in plan.problems(H100))
+    assert memory_plan(NINE_B, **(RECIPE | {"generator_batch": 32})).problems(H100) == []
+    # The recipe's budget: 256 rows share 2^20 slots (40 GiB), rows taking blocks as they grow
+    budget = memory_plan(NINE_B, **(RECIPE | {"generator_batch": 256, "kv_cache_tokens": 2**20}))
+    assert budget.problems(H100) == [] and 60 * 2**30 < budget.generator_bytes() < 74.5 * 2**30
+    assert "fits" in plan.text(H100) and "does NOT fit" in plan.text(H100)
+    ddp = memory_plan(NINE_B, **(RECIPE | {"parallel": "ddp", "generator_batch": 32}))
+    assert ddp.learner_bytes() > 2 * H100  # full fp32 weights, grads, buckets and AdamW state: ~200 GiB
+    (problem,) = ddp.problems(H100)
+    assert problem.startswith("learner") and "train.parallel" in problem
+    sglang = memory_plan(NINE_B, **(RECIPE | {"engine": "sglang", "sglang_mem_fraction": 0.8}))
+    assert sglang.problems(H100) == [] and "KV pool" in sglang.text(H100)
