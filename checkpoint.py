@@ -32,6 +32,7 @@ import data
 from config import ConfigError
 from model import GLM, GLMConfig
 from parallel import all_gather, barrier, parallel_learner, rank, unwrap
+from rollout import TooManyFailures
 
 STAGES = ("dsa_warmup", "sft", "rl")
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, in CPU memory
@@ -164,7 +165,8 @@ def starting_point(cfg, run_dir) -> str:
     if cfg.model.path is not None:
         return cfg.model.path
     out = os.path.join(run_dir, "init_model")
-    made_from = {"init": cfg.model.init, "dsa": cfg.model.dsa, "tokenizer": cfg.model.tokenizer, "seed": cfg.seed}
+    tokenizer = cfg.model.tokenizer or ("tiny-tools" if cfg.data.train.startswith("synthetic:multiply") else None)
+    made_from = {"init": cfg.model.init, "dsa": cfg.model.dsa, "tokenizer": tokenizer, "seed": cfg.seed}
     stamp = os.path.join(out, "made_from.json")
     if os.path.isdir(out):
         try:
@@ -174,7 +176,7 @@ def starting_point(cfg, run_dir) -> str:
         except (OSError, json.JSONDecodeError):
             pass
         print(f"[train] {out} was made from other settings: rebuilding it", flush=True)
-    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.make_tiny_tokenizer()
+    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.synthetic_tokenizer(cfg.data.train)
     glm_cfg = GLMConfig(**cfg.model.init, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                         eos_token_id=[tok.eos_token_id], dsa=cfg.model.dsa)
     torch.manual_seed(cfg.seed)
@@ -268,7 +270,7 @@ def run_main(main):
         if first:
             print(f"[train] {e}", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except (ConfigError, FloatingPointError, OSError) as e:
+    except (ConfigError, FloatingPointError, OSError, TooManyFailures) as e:  # a setting, the machine, a blown-up run, an env
         if first:
             sys.exit(f"error: {e.strerror.lower()}: {e.filename}" if isinstance(e, OSError) and e.filename else f"error: {e}")
         sys.exit(1)

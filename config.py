@@ -43,12 +43,17 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    train: str = "synthetic"  # a JSONL prompt file, or `synthetic` (the arithmetic task's train split)
-    eval: str | dict = "synthetic"  # held-out prompts: one file (named by its stem), or several as {name: file}
+    # A JSONL prompt file, or a synthetic task's train split (data.SYNTHETIC: `synthetic`, the arithmetic task;
+    # `synthetic:multiply`, two-digit products for the calculator env; `synthetic:multiply-no-tool`)
+    train: str = "synthetic"
+    eval: str | dict = "synthetic"  # held-out prompts: one file or task (named by its stem), or several as {name: file}
     prompt_key: str = "prompt"  # JSONL key of the prompt: a string or a list of chat messages
     label_key: str = "label"  # JSONL key of the reference answer the reward grades against
     response_key: str = "solution"  # JSONL key of a reference response, for the supervised stage (sft_steps > 0)
     reward: str = "data:math_reward"  # module:function called as fn(response_text, example) -> float
+    # module:Class of a multi-turn environment (env.py's contract, e.g. env:Calculator); its reward replaces
+    # data.reward. null: one turn graded by data.reward
+    env: str | None = None
     train_size: int | None = None  # use the first this many train examples; null: all
     eval_size: int | None = None  # ... and of each eval set
 
@@ -65,6 +70,17 @@ class RolloutConfig:
     # one), and DAPO found training on that noise less stable than filtering it out. rollout/truncated and
     # train/masked show how much of a batch it drops. Eval always reports the grader's reward.
     truncated: str = "mask"
+    # Multi-turn episodes (data.env; env.py): at most this many model turns, and this many tokens after the prompt,
+    # model and env together (null: max_new_tokens; eval: eval_max_new_tokens). A trajectory cut by either ends
+    # with finish "length" and follows `truncated`. Each env message is cut to max_env_chars characters first.
+    max_turns: int = 8  # model turns per trajectory
+    max_total_tokens: int | None = None  # tokens after the prompt, model and env (null: one turn's max_new_tokens)
+    max_env_chars: int = 4096  # each env message's content is cut to this many characters before rendering
+    env_timeout_s: float = 60.0  # a call into the env (or the reward hook) that takes longer fails its trajectory
+    # A failed trajectory is dropped (its group trains at its reduced size while more than half remains); more than
+    # this fraction of a batch failing stops the run with one line
+    max_failure_fraction: float = 0.5
+    dump_fraction: float = 0.05  # this fraction of each batch's trajectories, as text, to run_dir/rollouts/*.jsonl
     max_prompt_tokens: int = 1024  # prompts longer than this are skipped (all of them: an error at start-up)
     chat_template: bool = True  # render prompts with the tokenizer's chat template
     max_staleness: int = 1  # batch i is sampled by weights i - max_staleness (one step off-policy); 0: synchronous
@@ -158,7 +174,7 @@ SAFE_ON_RESUME = {
     "run_dir", "train.rl_steps", "train.eval_every", "train.eval_n", "train.eval_max_new_tokens",
     "train.eval_temperature", "train.eval_greedy", "train.save_every", "train.keep_checkpoints",
     "train.learner_device", "train.generator_device", "data.eval", "data.eval_size", "rollout.max_batch",
-    "rollout.kv_cache_tokens", "rollout.cuda_graphs",
+    "rollout.kv_cache_tokens", "rollout.cuda_graphs", "rollout.dump_fraction",
     "rollout.sglang_mem_fraction", "optim.max_tokens_per_micro_batch", "optim.max_skipped_steps",
     "model.gradient_checkpointing", "model.dsa_kernels",
 }
@@ -330,6 +346,11 @@ RULES = [  # (keys, test, what each must be)
     (("rollout.kv_cache_tokens",), lambda x: x is None or x >= 1, ">= 1 (or null: every row at full length)"),
     (("rollout.update_mode",), lambda x: x in ("keep_kv", "reprefill"), "keep_kv or reprefill"),
     (("rollout.truncated",), lambda x: x in TRUNCATED, " or ".join(TRUNCATED)),
+    (("grpo.surrogate",), lambda x: x in grpo.SURROGATES, " or ".join(grpo.SURROGATES)),
+    (("rollout.max_turns", "rollout.max_env_chars"), lambda x: x >= 1, ">= 1"),
+    (("rollout.max_total_tokens",), lambda x: x is None or x >= 1, ">= 1 (or null: max_new_tokens)"),
+    (("rollout.env_timeout_s",), _positive, "a finite number > 0"),
+    (("rollout.max_failure_fraction", "rollout.dump_fraction"), lambda x: 0 <= x <= 1, "in [0, 1]"),
     (("optim.betas",), lambda b: len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b),
      "[beta1, beta2], each in [0, 1)"),
     (("rollout.engine",), lambda x: x in ("torch", "sglang"), "torch or sglang"),
@@ -364,8 +385,11 @@ def check_config(cfg: Config, where):
              f"data.eval must be a file or a mapping of set names to files, got {cfg.data.eval!r}")
     need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
          f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
+    need(cfg.grpo.surrogate != "dis" or (cfg.grpo.icepop_beta is None and cfg.grpo.tis_cap is None),
+         "grpo.surrogate: dis is its own off-policy correction: set grpo.icepop_beta: null and grpo.tis_cap: null "
+         f"(they are {cfg.grpo.icepop_beta} and {cfg.grpo.tis_cap})")
     if cfg.model.init is not None:
-        longest = cfg.rollout.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.train.eval_max_new_tokens)
+        longest = cfg.rollout.max_prompt_tokens + response_budget(cfg)
         limit = cfg.model.init.get("max_position_embeddings", GLMConfig.max_position_embeddings)
         need(longest <= limit, f"rollout.max_prompt_tokens + the longest response ({longest} tokens) must fit "
                                f"model.init.max_position_embeddings ({limit})")
@@ -379,8 +403,17 @@ def check_paths(cfg: Config):
             what = f"has no {needed}" if os.path.isdir(where) else "is not a directory"
             raise ConfigError(f"{key}: {where} {what} (download the model there first)")
     for key, path in [("data.train", cfg.data.train)] + [(f"data.eval ({n})", p) for n, p in eval_sets(cfg).items()]:
-        if path != "synthetic" and not os.path.isfile(path):
-            raise ConfigError(f"{key}: {path}: no such file (expected a JSONL prompt file)")
+        if path not in data.SYNTHETIC and not os.path.isfile(path):
+            raise ConfigError(f"{key}: {path}: no such file (expected a JSONL prompt file or one of {data.SYNTHETIC})")
+
+
+def response_budget(cfg: Config, eval=None) -> int:
+    """The most tokens a trajectory holds after its prompt: rollout.max_total_tokens, or else one turn of
+    max_new_tokens (eval: eval_max_new_tokens); eval=None: the larger of RL's and eval's."""
+    r = cfg.rollout
+    if eval is None:
+        return max(response_budget(cfg, False), response_budget(cfg, True))
+    return r.max_total_tokens or (cfg.train.eval_max_new_tokens if eval else r.max_new_tokens)
 
 
 def eval_sets(cfg: Config) -> dict:
@@ -405,7 +438,7 @@ PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "inte
 def architecture(cfg: Config) -> GLMConfig:
     """The policy's GLMConfig without loading any weights."""
     if cfg.model.init is not None:
-        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.make_tiny_tokenizer()
+        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.synthetic_tokenizer(cfg.data.train)
         return GLMConfig(**cfg.model.init, vocab_size=len(tok), dsa=cfg.model.dsa)
     path = os.path.join(cfg.model.path, "config.json")
     if os.path.isfile(path):
@@ -424,6 +457,18 @@ def architecture(cfg: Config) -> GLMConfig:
     return arch
 
 
+def check_memory(cfg: Config, processes, gpu_bytes=None, title=None):
+    """The memory plan against GPUs of gpu_bytes (None: H100s). title (--dry-run): print the plan first. One
+    ConfigError line naming what does not fit and the fixes."""
+    plan, gpu = plan_memory(cfg, processes), gpu_bytes or H100_BYTES
+    if title is not None:
+        print(f"{title}: {processes} generator/learner GPU pairs, learners in {cfg.train.parallel}, on H100s\n"
+              f"{plan.text(gpu)}", flush=True)
+    if plan.problems(gpu):
+        raise ConfigError(("does not fit on H100s: " if gpu_bytes is None else "this config does not fit: ")
+                          + "; ".join(plan.problems(gpu)) + ("" if gpu_bytes is None else " (see --dry-run)"))
+
+
 def plan_memory(cfg: Config, processes):
     """The per-GPU memory plan of this config with `processes` generator/learner pairs in all."""
     r, g, t = cfg.rollout, cfg.grpo, cfg.train
@@ -433,7 +478,7 @@ def plan_memory(cfg: Config, processes):
                        trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
                        kv_cache_tokens=r.kv_cache_tokens, cuda_graphs=r.cuda_graphs, group_size=max(r.n, t.eval_n),
-                       generator_max_len=r.max_prompt_tokens + max(r.max_new_tokens, t.eval_max_new_tokens),
+                       generator_max_len=r.max_prompt_tokens + response_budget(cfg),
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,
                        dsa_kernels=cfg.model.dsa_kernels)

@@ -61,7 +61,8 @@ def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
                                 f'{{"{prompt_key}": ..., "{label_key}": ...}} object per line)')
     # (key in the file, normalised field it is copied to, parameter naming it); a copy must never
     # overwrite another field of the object.
-    copies = [(prompt_key, "prompt", "prompt_key"), (label_key, "label", "label_key")]
+    copies = [(k, field, param) for k, field, param in [(prompt_key, "prompt", "prompt_key"), (label_key, "label", "label_key")]
+              if k is not None]  # None (with data.env): the env reads what it needs
     if response_key is not None:
         copies.append((response_key, "solution", "response_key"))
     examples = []
@@ -96,18 +97,24 @@ def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
                 if key != field and field in obj:
                     raise ValueError(f"{where}: has both '{key}' (the {param}) and a '{field}' field; copying "
                                      f"'{key}' to '{field}' would overwrite it, so rename one of them")
-            prompt, label = obj[prompt_key], obj[label_key]
-            if not (isinstance(prompt, str) or _is_messages(prompt)):
-                raise ValueError(f"{where}: '{prompt_key}' must be a string or a list of "
-                                 f'{{"role": str, "content": str}} messages, got {type(prompt).__name__}')
-            # Labels like 42 are often stored as JSON numbers; the grader compares strings.
-            if isinstance(label, bool) or not isinstance(label, (str, int, float)):
-                raise ValueError(f"{where}: '{label_key}' must be a string or a number, got {type(label).__name__}")
-            example = {**obj, "prompt": prompt, "label": str(label)}
+            example = dict(obj)
+            if prompt_key is not None:
+                prompt = example["prompt"] = obj[prompt_key]
+                if not (isinstance(prompt, str) or _is_messages(prompt)):
+                    raise ValueError(f"{where}: '{prompt_key}' must be a string or a list of "
+                                     f'{{"role": str, "content": str}} messages, got {type(prompt).__name__}')
+            if label_key is not None:
+                # Labels like 42 are often stored as JSON numbers; the grader compares strings.
+                label = obj[label_key]
+                if isinstance(label, bool) or not isinstance(label, (str, int, float)):
+                    raise ValueError(f"{where}: '{label_key}' must be a string or a number, got {type(label).__name__}")
+                example["label"] = str(label)
             if response_key is not None:
-                if not isinstance(obj[response_key], str):
-                    raise ValueError(f"{where}: '{response_key}' must be a string (the reference response), "
-                                     f"got {type(obj[response_key]).__name__}")
+                response = obj[response_key]
+                if not (isinstance(response, str) or (isinstance(response, list) and response
+                                                      and all(isinstance(t, str) for t in response))):
+                    raise ValueError(f"{where}: '{response_key}' must be a string (the reference response) or, "
+                                     f"with data.env, a list of strings (the model's turns), got {type(response).__name__}")
                 example["solution"] = obj[response_key]
             examples.append(example)
     if not examples:
@@ -115,21 +122,25 @@ def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
     return examples
 
 
-def load_examples(source, tokenizer, keys, *, split, seed, sft, chat_template, max_prompt_tokens, verbose=True):
+def load_examples(source, tokenizer, keys, *, split, seed, sft, chat_template, max_prompt_tokens, verbose=True,
+                  openings=None):
     """The examples of one data source (a JSONL file or "synthetic") whose prompts fit max_prompt_tokens.
     keys: the config's data section (prompt_key, label_key, response_key, train_size, eval_size); the
     reference response is read only where the supervised stage needs it (sft, train split). Every prompt is
     tokenized here, at start-up, so that an impossible setting fails in seconds: overlong eval prompts, or no
-    train prompt that fits, are an error; overlong train prompts are skipped with one line."""
+    train prompt that fits, are an error; overlong train prompts are skipped with one line. openings (with
+    data.env): the examples' prompt ids, their env's reset() rendered; prompt and label keys are then the
+    env's business, not required here."""
     size = keys.train_size if split == "train" else keys.eval_size
-    if source == "synthetic":
+    if source in SYNTHETIC:
         if size is None:
             raise ValueError(f"data.{split}_size must be set for the synthetic task (how many problems)")
-        examples = synthetic_task(size, seed=seed, split="train" if split == "train" else "test")
+        examples = synthetic_task(size, seed=seed, split="train" if split == "train" else "test", task=source)
     else:
         response = keys.response_key if split == "train" and sft else None
-        examples = load_jsonl(source, keys.prompt_key, keys.label_key, response)[:size]
-    lengths = prompt_lengths(tokenizer, examples, chat_template)
+        examples = load_jsonl(source, None if openings else keys.prompt_key, None if openings else keys.label_key,
+                              response)[:size]
+    lengths = [len(p) for p in openings(examples)] if openings else prompt_lengths(tokenizer, examples, chat_template)
     fit = [ex for ex, n in zip(examples, lengths) if n <= max_prompt_tokens]
     if len(fit) < len(examples):
         what = (f"{len(examples) - len(fit)} of {len(examples)} prompts in {source} are longer than "
@@ -197,8 +208,9 @@ class PromptStream:
 # 2. Chat templates
 
 
-def render_prompt(tokenizer, prompt, chat_template=True):
-    """Prompt (a string or a list of messages) -> token ids ending where the response starts."""
+def render_prompt(tokenizer, prompt, chat_template=True, tools=None):
+    """Prompt (a string or a list of messages) -> token ids ending where the response starts. tools: JSON
+    schemas of an env's tools, for the template to list (env.py)."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if not chat_template:
         if not isinstance(prompt, str):
@@ -207,7 +219,7 @@ def render_prompt(tokenizer, prompt, chat_template=True):
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
                          "set rollout.chat_template: false to feed raw prompt text")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **({"tools": tools} if tools else {}))
     # transformers 5 returns a BatchEncoding here, 4.x a plain list; we want list[int] either way.
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
@@ -235,12 +247,34 @@ def prompt_lengths(tokenizer, examples, chat_template):
 def load_reward(spec):
     """The function named by spec, "module:function" (e.g. "data:math_reward"), checked to accept
     (response_text, example). Every problem is one ValueError line starting with "data.reward: "."""
+    fn = load_object(spec, "data.reward")
+    if not callable(fn):
+        raise ValueError(f"data.reward: {spec!r}: {spec.replace(':', '.')} is a {type(fn).__name__}, not a function")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # some C callables have no signature to check; they are called as they are
+    try:
+        signature.bind("response", {"prompt": "p", "label": "l"})
+    except TypeError as e:
+        raise ValueError(f"data.reward: {spec!r}: {spec.replace(':', '.')}{signature} cannot be called as "
+                         f"f(response_text, example): {e}") from None
+    return fn
+
+
+def load_object(spec, key):
+    """What spec, "module:name", names: a reward function (data.reward) or an env class (data.env), from
+    the working directory, the repository root or an installed package. Every problem is one ValueError
+    line starting with the config key."""
+    kind, example = ("class", '"env:Calculator" or "my_envs:Search"') if key == "data.env" else \
+        ("function", '"data:math_reward" or "my_rewards:length_penalty"')
+
     def fail(what):
-        return ValueError(f"data.reward: {spec!r}: {what}")
+        return ValueError(f"{key}: {spec!r}: {what}")
 
     module_name, colon, fn_name = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if not (colon and fn_name.isidentifier() and all(p.isidentifier() for p in module_name.split("."))):
-        raise fail('expected "module:function", e.g. "data:math_reward" or "my_rewards:length_penalty"')
+        raise fail(f'expected "module:{kind}", e.g. {example}')
     # `python train.py` puts the script's folder on sys.path but not the working directory, and an
     # installed glm-rl makes only its own modules importable, not other files beside them: add both.
     # Appended, not prepended, so that a stray file in the working directory cannot shadow a library.
@@ -266,21 +300,9 @@ def load_reward(spec):
         close = difflib.get_close_matches(fn_name, public, n=1)
         hint = (f"did you mean '{close[0]}'?" if close else
                 f"it has: {', '.join(public[:10])}{', ...' if len(public) > 10 else ''}" if public else
-                "it defines no public functions")
-        raise fail(f"module {module_name} ({origin}) has no function '{fn_name}'; {hint}")
-    fn = getattr(module, fn_name)
-    if not callable(fn):
-        raise fail(f"{module_name}.{fn_name} is a {type(fn).__name__}, not a function")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return fn  # some C callables have no signature to check; they are called as they are
-    try:
-        signature.bind("response", {"prompt": "p", "label": "l"})
-    except TypeError as e:
-        raise fail(f"{module_name}.{fn_name}{signature} cannot be called as "
-                   f"f(response_text, example): {e}") from None
-    return fn
+                f"it defines no public {kind}es" if kind == "class" else "it defines no public functions")
+        raise fail(f"module {module_name} ({origin}) has no {kind} '{fn_name}'; {hint}")
+    return getattr(module, fn_name)
 
 
 def _one_line(e):
@@ -495,15 +517,37 @@ def _split_of(prompt):
     return "test" if hashlib.md5(prompt.encode()).digest()[0] < 26 else "train"  # ~10% held out
 
 
-def synthetic_task(n, seed, split="train"):
-    """n examples {"prompt": "12+7=", "label": "19", "solution": "\\boxed{19}"}; the first
-    len(pool) are distinct (806 train / 94 test problems), later ones cycle through the pool."""
+def synthetic_task(n, seed, split="train", task="synthetic"):
+    """n examples of a synthetic task (data.train / data.eval name it; SYNTHETIC lists them); the first
+    len(pool) are distinct, later ones cycle through the pool.
+      synthetic                  {"prompt": "12+7=", "label": "19", "solution": "\\boxed{19}"}: 806 train / 94
+                                 test problems, sums and differences below 20, products below 10
+      synthetic:multiply         two-digit products for the calculator env (env.Calculator): 7343 train / 757
+                                 test. {"prompt": "37*48=", "label": "1776", "tools": true, "solution":
+                                 ["calc(37*48)", "\\boxed{1776}"]}, the model's turns of a tool trace; in the
+                                 train split a quarter of the problems come without the tool ("tools": false,
+                                 "solution": "\\boxed{1776}"), so that the warm-up also teaches answering directly
+      synthetic:multiply-no-tool the same, every problem without the tool: what the model does in its head"""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    pool = [(p, a) for p, a in _arithmetic_problems() if _split_of(p) == split]
+    if task not in SYNTHETIC:
+        raise ValueError(f"unknown synthetic task {task!r}; expected one of {SYNTHETIC}")
+    problems = _arithmetic_problems() if task == "synthetic" else \
+        [(f"{a}*{b}=", a * b) for a in range(10, 100) for b in range(10, 100)]
+    pool = [(p, a) for p, a in problems if _split_of(p) == split]
     random.Random(seed).shuffle(pool)
     picked = [pool[i % len(pool)] for i in range(n)]
-    return [{"prompt": p, "label": str(a), "solution": f"\\boxed{{{a}}}"} for p, a in picked]
+    if task == "synthetic":
+        return [{"prompt": p, "label": str(a), "solution": f"\\boxed{{{a}}}"} for p, a in picked]
+    out = []
+    for p, a in picked:
+        tools = task == "synthetic:multiply" and (split == "test" or hashlib.md5(p.encode()).digest()[1] % 4 != 0)
+        solution = [f"calc({p[:-1]})", f"\\boxed{{{a}}}"] if tools else f"\\boxed{{{a}}}"
+        out.append({"prompt": p, "label": str(a), "tools": tools, "solution": solution})
+    return out
+
+
+SYNTHETIC = ("synthetic", "synthetic:multiply", "synthetic:multiply-no-tool")
 
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
@@ -514,20 +558,34 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_tokenizer(save_dir=None):
-    """A character-level fast tokenizer (102 tokens) with pad/eos and a chat template."""
+# The tool task's template also lists the env's tools (by name) in a system turn, and renders an env's
+# observation as <|observation|>{content}: one more special token, which also ends a model turn (env.py).
+TINY_TOOL_TEMPLATE = (
+    "{%- if tools -%}<|system|>{%- for t in tools -%}{{ t['function']['name'] }}{%- endfor -%}{%- endif -%}"
+    + TINY_CHAT_TEMPLATE)
+
+
+def synthetic_tokenizer(task):
+    """The tokenizer of a synthetic task's tiny model (model.init with model.tokenizer null)."""
+    return make_tiny_tokenizer(tools=task.startswith("synthetic:multiply"))
+
+
+def make_tiny_tokenizer(save_dir=None, tools=False):
+    """A character-level fast tokenizer (102 tokens) with pad/eos and a chat template. tools: one more
+    special token, <|observation|> (103 tokens), and a template that lists tools (the calculator task)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     chars = string.digits + string.ascii_letters + string.punctuation + " \n"
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(chars))}
+    special = SPECIAL_TOKENS + (["<|observation|>"] if tools else [])
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(chars) + special[len(SPECIAL_TOKENS):])}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
     core.decoder = decoders.Fuse()  # concatenate, no spaces in between
-    core.add_special_tokens(SPECIAL_TOKENS)
+    core.add_special_tokens(special)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>",
                                         unk_token="<unk>", clean_up_tokenization_spaces=False)
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.chat_template = TINY_TOOL_TEMPLATE if tools else TINY_CHAT_TEMPLATE
     if save_dir is not None:
         tokenizer.save_pretrained(save_dir)
     return tokenizer
@@ -566,6 +624,12 @@ def spans(starts, lengths, device=None):
     starts, lengths = torch.as_tensor(starts), torch.as_tensor(lengths)
     ends = lengths.cumsum(0)
     return (torch.repeat_interleave(starts - ends + lengths, lengths) + torch.arange(int(ends[-1]))).to(device)
+
+
+def scored_spans(seq, at):
+    """A learner row's scored tokens as (start, length) spans: all after a prompt of `at` tokens, or `at` itself
+    (a multi-turn trajectory's model turns)."""
+    return [(at, len(seq) - at)] if isinstance(at, int) else at
 
 
 def split_across_ranks(lengths, world_size):

@@ -700,14 +700,16 @@ class SGLangEngine:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams, seed: int | None = None) -> list[Completion]:
+    def generate(self, prompts: list[list[int]], sampling, seed: int | None = None) -> list[Completion]:
+        """sampling: a SamplingParams, or one per prompt (a multi-turn call's turns have their own budgets)."""
         if any(len(p) == 0 for p in prompts):
             raise ValueError("cannot generate from an empty prompt")
+        per = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         rng = random.Random(seed)
         futures = []
-        for p in prompts:  # all at once: SGLang's scheduler batches them (up to max_batch running)
-            sp = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                  "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": list(sampling.stop_token_ids)}
+        for p, s in zip(prompts, per):  # all at once: SGLang's scheduler batches them (up to max_batch running)
+            sp = {"temperature": s.temperature, "top_p": s.top_p,
+                  "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids)}
             if seed is not None:  # one seed per request: the n copies of a prompt must differ
                 sp["sampling_seed"] = rng.getrandbits(31)
             futures.append(asyncio.run_coroutine_threadsafe(self._generate_one(list(p), sp), self.loop))

@@ -28,6 +28,9 @@ importance weight is already in it. The off-policy corrections act on that misma
   TIS     c = min(w, cap) / w: the weight w becomes min(w, cap) (truncated importance sampling);
   IcePop  c = 0 where w is outside [1/beta, beta] (the mismatch is too large to trust), else 1, so
           in-band tokens keep their importance weight w (GLM-5, IcePop, slime's icepop_function).
+GLM-5's direct double-sided importance sampling (surrogate "dis") replaces the clipped surrogate: with one
+optimizer step per batch rho equals w in value, so DIS is IcePop with the band [1 - eps_low, 1 + eps_high]
+on rho and no PPO clip: l = -A rho where rho is in the band, 0 (masked, not clipped) where it is not.
 Log-ratios are clamped to +-20 before exp: one token the policies disagree on wildly must give a huge
 but finite number, never inf. Whole samples older than max_staleness versions are dropped before any of
 this (`fresh_mask`, a guard: the generator's gate already keeps them fresh), and groups whose rewards all agree have A = 0 and teach nothing (`informative`,
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 AGG_MODES = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum")
+SURROGATES = ("clip", "dis")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOG_RATIO_CLAMP = 20.0  # |log pi / pi'| before exp (as verl and slime clamp)
 
@@ -50,7 +54,10 @@ LOG_RATIO_CLAMP = 20.0  # |log pi / pi'| before exp (as verl and slime clamp)
 class GRPOConfig:
     """The objective's settings (the `grpo:` section of a config). A new loss knob is a field here, its
     use in policy_loss, and its range in config.py's RULES (every value is checked at start-up)."""
-    eps_low: float = 0.2  # clip rho = pi_theta / pi_gen below 1 - eps_low ...
+    # clip: the PPO surrogate, rho clipped to [1 - eps_low, 1 + eps_high]. dis: GLM-5's direct double-sided
+    # importance sampling, tokens with rho outside that band masked instead (needs icepop_beta and tis_cap null)
+    surrogate: str = "clip"
+    eps_low: float = 0.2  # clip rho = pi_theta / pi_gen below 1 - eps_low (dis: mask it) ...
     eps_high: float = 0.28  # ... and above 1 + eps_high ("clip higher")
     dual_clip: float | None = None  # cap the loss of A < 0 tokens at -A * dual_clip (> 1)
     agg: str = "seq-mean-token-mean"  # one of AGG_MODES
@@ -193,6 +200,10 @@ def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=Non
     "kl" is the chosen estimator vs pi_ref)."""
     if cfg.agg not in AGG_MODES:
         raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGG_MODES}")
+    if cfg.surrogate not in SURROGATES:
+        raise ValueError(f"unknown surrogate {cfg.surrogate!r}; expected one of {SURROGATES}")
+    if cfg.surrogate == "dis" and (cfg.icepop_beta is not None or cfg.tis_cap is not None):
+        raise ValueError("surrogate dis is its own off-policy correction: it needs icepop_beta and tis_cap null")
     if cfg.dual_clip is not None and cfg.dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {cfg.dual_clip}")
     if cfg.kl_coef and ref_logp is None:
@@ -215,7 +226,11 @@ def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=Non
 
     ratio = torch.exp((logp - gen_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T] rho = pi_theta / pi_gen
     lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
-    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))  # [B, T]
+    if cfg.surrogate == "dis":  # in the band: -A rho, unclipped; outside: masked (still in the denominators)
+        band = ((ratio >= lo) & (ratio <= hi)).detach()
+        pg = -adv * ratio * band
+    else:
+        pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(lo, hi))  # [B, T]
     if cfg.dual_clip is not None:
         # With A < 0 the max() above is unbounded as the ratio grows (the policy already made a
         # bad token far more likely than pi_gen did); cap it at -A * c so one token cannot dominate.
@@ -254,6 +269,8 @@ def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=Non
             "ratio_mean": token_mean(ratio),
             "mismatch_k3": token_mean(kl_penalty(gen_logp, prox_logp, "k3")),
         }
+        if cfg.surrogate == "dis":
+            metrics["dis_masked_frac"] = token_mean((~band).float())
         if cfg.dual_clip is not None:
             metrics["dual_clip_frac"] = token_mean(((adv < 0) & (ratio > cfg.dual_clip)).float())
         if cfg.tis_cap is not None:

@@ -212,7 +212,8 @@ def full_weights(model, dtype=None):
 # Rank metrics become one row: counts and throughputs add up, maxima take the max, the rest (means
 # of equal-sized shares, or values already global) is averaged over the ranks that have the key.
 SUMMED = {"train/samples", "train/tokens", "train/masked", "staleness/dropped", "rollout/groups_dropped",
-          "rollout/prompts_skipped", "rollout/prompts_cancelled", "rollout/gen_tokens_per_s", "perf/tokens_per_s"}
+          "rollout/prompts_cancelled", "rollout/env_failures", "rollout/groups_failed", "rollout/gen_tokens_per_s",
+          "perf/tokens_per_s"}
 MAXED = {"staleness/max", "train/logp_diff_max", "perf/step_s", "perf/publish_s"}
 
 

@@ -1,8 +1,9 @@
 """
 RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner
-trains, and eval on the same engine (engine.py, the chapter before, does the sampling).
+trains, and eval on the same engine. engine.py samples; env.py plays each trajectory's episode (one turn
+graded by the reward hook, or many turns with data.env), and this file groups them.
 
-    prompts --> [Generator thread] --render--> engine.generate (n per prompt) --grade--> RolloutBatch
+    prompts --> [Generator thread] --env.run_episodes (n per prompt, turn by turn)--> groups --> RolloutBatch
                        ^                                                                      |
                        |  publish(weights, version)                 queue (bounded)           v
                        +-------------------------------------------------------------- learner
@@ -28,24 +29,41 @@ depends on timing.
 A response cut by the length limit (finish_reason "length") follows rollout.truncated: `keep` its
 graded reward, score it `zero`, or `mask` it (DAPO's overlong filtering): a masked sample is dropped
 from the loss (no gradient, in no denominator), but its reward still counts in its group's mean and std,
-so its siblings' advantages are those of the group as it was sampled.
+so its siblings' advantages are those of the group as it was sampled. A trajectory ended by a void turn
+(env.py) is masked the same way.
+
+Env failures are data: a trajectory whose env (or reward hook) raised or timed out is dropped; its group
+trains at its reduced size while more than half of it remains, else the whole group is dropped and a fresh
+prompt takes its place in a further round, as dynamic sampling refills (GLM-5 pads a group with repeated
+samples instead, which would count their gradients twice). Each failure is one
+warning line naming the env, the example and the exception; the first traceback of each kind is saved
+in run_dir/env_failures/; more than rollout.max_failure_fraction of a batch failing stops the run with
+one line. rollout.dump_fraction of each batch's trajectories go to run_dir/rollouts/ as JSON lines.
 """
 import contextlib
+import functools
+import hashlib
+import json
 import math
+import os
 import queue
+import re
 import threading
 import time
-from dataclasses import dataclass, field
+import traceback
+from dataclasses import dataclass, field, replace
 
 import grpo
-from data import eval_metrics, math_reward, render_prompt
+from data import eval_metrics, math_reward
 from engine import SamplingParams
+from env import Episode, Limits, dump_record, run_episodes, single_turn
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
 # is topped up with such groups (zero advantage, so they add nothing to the gradient).
 MAX_SAMPLING_ROUNDS = 4
 TRUNCATED = ("keep", "zero", "mask")  # what rollout.truncated may say
+MAX_WARNINGS = 5  # env failures printed per batch (all are counted: rollout/env_failures)
 
 
 # ----------------------------------------------------------------------------- the generator thread
@@ -54,13 +72,17 @@ TRUNCATED = ("keep", "zero", "mask")  # what rollout.truncated may say
 class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
-    gen_logprobs: list[float]  # the generator's logprob of each response token
+    gen_logprobs: list[float]  # the generator's logprob of each model token of the response
     reward: float
     group: int  # index of the prompt's group within its batch
     versions: tuple[int, int]  # (oldest, newest) weight version; staleness is judged on the oldest
     finish_reason: str
     example: dict  # the dataset entry (prompt, label, ...)
-    masked: bool = False  # dropped from the loss (rollout.truncated: mask); its reward still counts in its group
+    masked: bool = False  # dropped from the loss (truncated: mask, or a void turn); its reward still counts in its group
+    # (start, length) of each model turn in response_ids; None: all of them are the model's (one turn). The
+    # learner scores only these, so env tokens never reach lm_head or the loss; gen_logprobs are theirs.
+    spans: list | None = None
+    turns: int = 1
 
 
 @dataclass
@@ -82,16 +104,27 @@ class Generator:
 
     def __init__(self, engine, stream, tokenizer, *, prompts_per_step: int, n: int, sampling: SamplingParams,
                  max_staleness: int, dynamic_sampling: bool, oversample: float, chat_template: bool,
-                 max_prompt_tokens: int, reward_fn=math_reward, seed: int = 0, first_index: int = 0, partial_rollout: bool = False,
-                 truncated: str = "keep", ready: list = ()):
+                 max_prompt_tokens: int, reward_fn=math_reward, env_cls=None, limits: Limits | None = None,
+                 seed: int = 0, first_index: int = 0, partial_rollout: bool = False, truncated: str = "keep",
+                 max_failures: float = 0.5, run_dir: str | None = None, dump_fraction: float = 0.0,
+                 rank: int = 0, world: int = 1, ready: list = ()):
+        """env_cls: data.env's class (None: the reward hook, one turn); limits: its episodes' limits (None:
+        one turn of sampling.max_new_tokens); max_failures: rollout.max_failure_fraction; run_dir: where env
+        failures' tracebacks and the rollout dump (dump_fraction of each batch) go; rank and world name this
+        process's examples by their index among all the run's (rank r holds examples r::world)."""
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
         self.prompts_per_step, self.n, self.sampling = prompts_per_step, n, sampling
         self.max_staleness, self.dynamic_sampling, self.oversample = max_staleness, dynamic_sampling, oversample
-        self.chat_template, self.max_prompt_tokens = chat_template, max_prompt_tokens
-        self.reward_fn, self.seed, self.partial_rollout = reward_fn, seed, partial_rollout
+        self.chat_template, self.streams = chat_template, hasattr(engine, "stream")
+        self.env_cls = env_cls or single_turn(reward_fn)
+        self.limits = replace(limits or Limits(sampling.max_new_tokens, sampling.max_new_tokens, 1),
+                              max_prompt_tokens=max_prompt_tokens)
+        self.seed, self.partial_rollout = seed, partial_rollout
         if truncated not in TRUNCATED:
             raise ValueError(f"rollout.truncated must be one of {TRUNCATED}, got {truncated!r}")
-        self.truncated = truncated
+        self.truncated, self.max_failures, self.run_dir, self.dump_fraction = truncated, max_failures, run_dir, dump_fraction
+        self.rank, self.seen_failures = rank, set()
+        self.index_of = {id(ex): rank + world * i for i, ex in enumerate(stream.examples)}
         self.queue = queue.Queue(maxsize=max_staleness + 1)
         for batch in ready:
             self.queue.put(batch)
@@ -127,11 +160,11 @@ class Generator:
             self.gate.notify_all()
 
     def get(self, timeout: float | None = None) -> RolloutBatch:
-        """The next batch; re-raises at once if the generator thread failed (a FloatingPointError as it
-        is: a one-line diagnosis, not a bug)."""
+        """The next batch; re-raises at once if the generator thread failed (a FloatingPointError or
+        TooManyFailures as it is: a one-line diagnosis, not a bug)."""
         deadline = None if timeout is None else time.perf_counter() + timeout
         while True:
-            if isinstance(self.error, FloatingPointError):
+            if isinstance(self.error, (FloatingPointError, TooManyFailures)):
                 raise self.error
             if self.error is not None:
                 raise RuntimeError("the generator thread failed (see the error above)") from self.error
@@ -181,31 +214,25 @@ class Generator:
 
     def _make_batch(self):
         t0 = time.perf_counter()
-        kept, spare, rounds, generated, skipped, cancelled = [], [], 0, [], 0, 0
+        kept, spare, rounds, generated, episodes, cancelled, failed_groups = [], [], 0, [], [], 0, 0
         while len(kept) < self.prompts_per_step and rounds < MAX_SAMPLING_ROUNDS:
             need = self.prompts_per_step - len(kept)
             draw = math.ceil(need * (1 + self.oversample)) if self.dynamic_sampling else need
-            examples, prompts = [], []
-            for ex in self.stream.next(draw):
-                ids = render_prompt(self.tokenizer, ex["prompt"], self.chat_template)
-                if len(ids) > self.max_prompt_tokens:
-                    skipped += 1  # an overlong prompt would be cut mid-question: skip it
-                    continue
-                examples.append(ex)
-                prompts.append(ids)
+            examples = self.stream.next(draw)
             rounds += 1
-            if not prompts:
-                if skipped > len(self.stream.examples):
-                    raise ValueError(f"every prompt is longer than rollout.max_prompt_tokens={self.max_prompt_tokens}")
-                continue
-            groups = self._generate_groups(examples, prompts, seed=self.seed * 1_000_003 + self.index * 101 + rounds,
+            groups = self._generate_groups(examples, episodes, seed=self.seed * 1_000_003 + self.index * 101 + rounds,
                                            need=need if self.dynamic_sampling else None)
             if groups is None:
                 return None
             for g in groups:
+                if g is None:  # more than half of its trajectories failed
+                    failed_groups += 1
+                    continue
                 generated += g
                 (spare if self.dynamic_sampling and not grpo.informative([s.reward for s in g]) else kept).append(g)
-            cancelled += len(prompts) - len(groups)
+            cancelled += len(examples) - len(groups)
+        failures = [ep for ep in episodes if ep.failure is not None]
+        self._report(failures, len(episodes))
         surplus = kept[self.prompts_per_step:]  # an engine that cannot stream finishes every over-sampled prompt
         kept = kept[:self.prompts_per_step]
         top_up = spare[:self.prompts_per_step - len(kept)]  # too few informative groups: uniform ones fill in
@@ -217,72 +244,121 @@ class Generator:
                 samples.append(s)
         secs = time.perf_counter() - t0
         n_tok = sum(len(s.response_ids) for s in generated)
+        played = [ep for ep in episodes if ep.failure is None] or [None]
+        mean = lambda f: sum(f(ep) for ep in played) / len(played) if played[0] else 0.0  # noqa: E731
         metrics = {
             "rollout/reward": sum(s.reward for s in generated) / max(1, len(generated)),
             "rollout/reward_trained": sum(s.reward for s in samples) / max(1, len(samples)),
             "rollout/response_len": n_tok / max(1, len(generated)),
             "rollout/truncated": sum(s.finish_reason == "length" for s in generated) / max(1, len(generated)),
-            "rollout/groups_dropped": dropped, "rollout/rounds": rounds, "rollout/prompts_skipped": skipped,
-            "rollout/prompts_cancelled": cancelled,
+            "rollout/groups_dropped": dropped, "rollout/rounds": rounds, "rollout/prompts_cancelled": cancelled,
             "rollout/gen_s": secs, "rollout/gen_tokens_per_s": n_tok / max(secs, 1e-9),
+            # the trajectories' env side (one turn and no tool calls without data.env)
+            "rollout/turns": mean(lambda ep: ep.turns), "rollout/tool_calls": mean(lambda ep: ep.tool_calls),
+            "rollout/tool_call_rate": mean(lambda ep: ep.tool_calls > 0), "rollout/void": mean(lambda ep: ep.finish == "void"),
+            "rollout/model_tokens": mean(lambda ep: ep.model_tokens),
+            "rollout/env_tokens": mean(lambda ep: len(ep.response) - ep.model_tokens),
+            "rollout/env_failures": len(failures), "rollout/groups_failed": failed_groups,
+            "perf/env_s": sum(ep.env_s for ep in episodes),
         }
+        if self.dump_fraction > 0 and self.run_dir is not None:
+            self._dump(episodes)
         return RolloutBatch(samples, self.index, self.stream.state_dict(), metrics)
 
-    def _generate_groups(self, examples, prompts, seed, need=None):
-        """n completions per prompt, graded: a list of groups in prompt order. need (dynamic sampling with
-        an engine that streams): stop once the groups done so far, taken in prompt order, hold `need`
-        informative ones, and cancel the prompts after them. Prompt order, not the order groups finish
-        in, so that which prompts train never favours short answers. Aborted completions (no partial
-        rollout) are generated again."""
-        n, flat = self.n, [p for p in prompts for _ in range(self.n)]
-        comps = [None] * len(flat)
-        done = []  # graded groups, a prefix of the prompts
+    def _generate_groups(self, examples, episodes, seed, need=None):
+        """n trajectories per prompt, played to their end (env.run_episodes): a list of groups (lists of
+        Samples) in prompt order, None for a group that lost half of its trajectories or more to env
+        failures (a failed trajectory is dropped; its group trains at its reduced size while more than half
+        remains). Its finished episodes are added to `episodes`. need (dynamic sampling with an engine that
+        streams): stop once the groups done so far, taken in prompt order, hold `need` informative ones, and
+        cancel the prompts after them. Prompt order, not the order groups finish in, so that which prompts
+        train never favours short answers. Returns None if the generator is stopping."""
+        n = self.n
+        eps = [Episode(ex, self.index_of.get(id(ex), -1)) for ex in examples for _ in range(n)]
+        done = []  # groups, a prefix of the prompts
 
-        def grade_ready():  # grade the groups whose n completions are all in, while they form a prefix
-            while len(done) < len(prompts) and all(comps[len(done) * n:(len(done) + 1) * n]):
-                p, group = len(done), comps[len(done) * n:(len(done) + 1) * n]
-                if any(c.finish_reason == "abort" for c in group):
-                    return
-                done.append([self._sample(prompts[p], c, examples[p], p) for c in group])
+        def settle():  # the groups whose n trajectories have all ended, while they form a prefix
+            while len(done) < len(examples) and all(ep.finish is not None for ep in eps[len(done) * n:(len(done) + 1) * n]):
+                p = len(done)
+                ok = [ep for ep in eps[p * n:(p + 1) * n] if ep.failure is None]
+                done.append([self._sample(ep, p) for ep in ok] if 2 * len(ok) > n else None)
 
-        if need is not None and hasattr(self.engine, "stream"):
-            with contextlib.closing(self.engine.stream(flat, self.sampling, seed=seed)) as results:
-                for i, c in results:
-                    comps[i] = c
-                    grade_ready()
-                    if sum(grpo.informative([s.reward for s in g]) for g in done) >= need:
-                        return done
-        else:
-            comps = self.engine.generate(flat, self.sampling, seed=seed)
-        while not self.stopping.is_set():
-            redo = [i for i, c in enumerate(comps) if c.finish_reason == "abort"]
-            if not redo:
-                break
-            for i, c in zip(redo, self.engine.generate([flat[i] for i in redo], self.sampling, seed=seed + 7)):
-                comps[i] = c
+        runs = run_episodes(self.engine, eps, self.env_cls, self.tokenizer, self.sampling, self.limits, seed,
+                            chat_template=self.chat_template, stopping=self.stopping.is_set,
+                            each=need is not None and self.streams)
+        with contextlib.closing(runs):
+            for _, ep in runs:
+                episodes.append(ep)
+                settle()
+                if need is not None and self.streams and sum(g is not None and grpo.informative([s.reward for s in g])
+                                                             for g in done) >= need:
+                    return done
         if self.stopping.is_set():
             return None
-        grade_ready()
         return done
 
-    def _sample(self, prompt, c, example, group):
-        """A graded Sample of one completion; a cut one follows rollout.truncated (this file's docstring)."""
-        reward = float(self.reward_fn(self.tokenizer.decode(c.token_ids, skip_special_tokens=True), example))
-        cut = c.finish_reason == "length"
-        if cut and self.truncated == "zero":
-            reward = 0.0
-        return Sample(prompt, c.token_ids, c.logprobs, reward, group, c.versions, c.finish_reason, example,
-                      masked=cut and self.truncated == "mask")
+    def _sample(self, ep: Episode, group):
+        """The Sample of a trajectory; a cut one follows rollout.truncated, a void one is masked (this file's
+        docstring)."""
+        cut = ep.finish == "length"
+        reward = 0.0 if cut and self.truncated == "zero" else ep.reward
+        spans = None if ep.spans == [(0, len(ep.response))] else list(ep.spans)  # None: every token the model's
+        return Sample(ep.prompt, ep.response, ep.logprobs, reward, group, tuple(ep.versions), ep.finish, ep.example,
+                      masked=(cut and self.truncated == "mask") or ep.finish == "void", spans=spans, turns=ep.turns)
+
+    def _report(self, failures, total):
+        """Env failures are data: a warning line each (at most a few per batch), the first traceback of each
+        kind saved in run_dir/env_failures/, and the run stops with one line if too many failed at once."""
+        for ep in failures[:MAX_WARNINGS]:
+            print(f"[rollout] env failure on example {ep.index} (batch {self.index}): {ep.failure}", flush=True)
+        if len(failures) > MAX_WARNINGS:
+            print(f"[rollout] ... and {len(failures) - MAX_WARNINGS} more env failures in batch {self.index}", flush=True)
+        for ep in failures:
+            kind = re.sub(r"\W+", "_", ep.failure.split(":")[0])
+            if self.run_dir is not None and kind not in self.seen_failures:
+                self.seen_failures.add(kind)
+                folder = os.path.join(self.run_dir, "env_failures")
+                os.makedirs(folder, exist_ok=True)
+                with open(os.path.join(folder, f"{kind}" + (f"_rank{self.rank}" if self.rank else "") + ".txt"), "w") as f:
+                    f.write(f"example {ep.index}, batch {self.index}: {ep.failure}\n\n")
+                    f.write("".join(traceback.format_exception(ep.error)))
+        if total and len(failures) / total > self.max_failures:
+            raise TooManyFailures(f"{len(failures)} of {total} trajectories of rollout batch {self.index} failed in the env "
+                                  f"(over rollout.max_failure_fraction={self.max_failures}); the first: {failures[0].failure}")
+
+    def _dump(self, episodes):
+        """A sampled fraction of the batch's trajectories (the same ones on a rerun: a hash of the batch and
+        the trajectory's place picks them) as JSON lines in run_dir/rollouts/, for debugging an env."""
+        picked = [ep for k, ep in enumerate(episodes)
+                  if (hash_u32(self.seed, self.index, k) + 0.5) / 2**32 < self.dump_fraction]
+        folder = os.path.join(self.run_dir, "rollouts")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"batch_{self.index:06d}" + (f"_rank{self.rank}" if self.rank else "") + ".jsonl")
+        with open(path + ".tmp", "w") as f:
+            for ep in picked:
+                f.write(json.dumps(dump_record(ep, self.tokenizer)) + "\n")
+        os.replace(path + ".tmp", path)
 
 
-def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, chat_template: bool,
-             max_prompt_tokens: int, reward_fn=math_reward, seed=0) -> dict:
-    """Accuracy and pass@k of the engine's current weights on held-out examples (n samples each)."""
-    prompts = [render_prompt(tokenizer, ex["prompt"], chat_template) for ex in examples]
-    if max(map(len, prompts)) > max_prompt_tokens:
-        raise ValueError(f"an eval prompt has {max(map(len, prompts))} tokens, over rollout.max_prompt_tokens="
-                         f"{max_prompt_tokens}")
-    comps = engine.generate([p for p in prompts for _ in range(n)], sampling, seed=seed)
-    rewards = [[float(reward_fn(tokenizer.decode(c.token_ids, skip_special_tokens=True), ex))
-                for c in comps[i * n:(i + 1) * n]] for i, ex in enumerate(examples)]
-    return eval_metrics(rewards, ks=tuple(k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n))
+def hash_u32(*xs):
+    """A 32-bit hash of a few integers, the same in every process (unlike Python's hash of a tuple)."""
+    return int.from_bytes(hashlib.blake2b(repr(xs).encode(), digest_size=4).digest(), "little")
+
+
+class TooManyFailures(RuntimeError):
+    """More of a batch's trajectories failed in the env than rollout.max_failure_fraction allows."""
+
+
+def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, limits: Limits, env_cls,
+             chat_template: bool, seed=0) -> dict:
+    """Accuracy and pass@k of the engine's current weights on held-out examples: n trajectories each, played
+    with the env as in RL (a failed one scores 0). With an env also its turns and tool calls per trajectory."""
+    eps = [Episode(ex, i) for i, ex in enumerate(examples) for _ in range(n)]
+    for _ in run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template):
+        pass
+    rewards = [[ep.reward if ep.failure is None else 0.0 for ep in eps[i * n:(i + 1) * n]] for i in range(len(examples))]
+    out = eval_metrics(rewards, ks=tuple(k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n))
+    if not isinstance(env_cls, functools.partial):  # a real env (not the reward hook): how it was played
+        out |= {"turns": sum(ep.turns for ep in eps) / len(eps), "tool_call_rate": sum(ep.tool_calls > 0 for ep in eps) / len(eps),
+                "env_failures": sum(ep.failure is not None for ep in eps)}
+    return out

@@ -42,11 +42,12 @@ from transformers import AutoTokenizer
 
 import data
 import dsa
+import env
 import grpo
 from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, reference_model, run_main,
                         save_checkpoint, set_rng_state, starting_point)
-from config import (H100_BYTES, LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config, ConfigError, architecture, check_paths, eval_sets, load_config,
-                    load_run_config, plan_memory, save_config)
+from config import (LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config, ConfigError, architecture, check_memory, check_paths, eval_sets,
+                    load_config, load_run_config, save_config)
 from model import GLM
 from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy_rows, full_weights, global_sum,
                       init_processes, launch, learner_backward, micro_batches, optimizer_step, pair_devices,
@@ -70,21 +71,23 @@ def _chunk_logprobs(lm_head, h, targets, temperature, entropy):
 
 def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=True, entropy=None):
     """One forward over several sequences packed into a single row, without padding.
-    rows: [(token ids, prompt length)]. Position ids restart at 0 for every sequence, which is how
-    model.py knows where one ends: no token attends across sequences, and attention costs
-    sum_i L_i^2 (model.Packed). entropy: None (not needed), "metric" (no gradient) or "grad" (the
-    loss has an entropy term). Returns (logprobs [N] of every response token, the sequences one after
-    the other; entropies [N] or None; indexer KL or None)."""
+    rows: [(token ids, the prompt's length, or the (start, length) spans of the tokens to score: a multi-turn
+    trajectory's model turns)]. Position ids restart at 0 for every sequence, which is how model.py knows
+    where one ends: no token attends across sequences, and attention costs sum_i L_i^2 (model.Packed).
+    entropy: None (not needed), "metric" (no gradient) or "grad" (the loss has an entropy term). Returns
+    (logprobs [N] of every scored token, the sequences one after the other; entropies [N] or None; indexer
+    KL or None)."""
     net = unwrap(model)  # model may be DDP/FSDP-wrapped: call it, but reach its lm_head directly
     device = net.embed_tokens.weight.device
     lengths = [len(seq) for seq, _ in rows]
     ids = torch.tensor([t for seq, _ in rows for t in seq], device=device)[None]  # [1, L]
     pos = data.spans([0] * len(rows), lengths, device)[None]  # [1, L]: 0 .. L_i - 1 for each sequence
-    # Position j predicts token j+1: a response of R tokens after P prompt tokens is scored at the
-    # sequence's positions P-1 .. P+R-2. Only those are kept past the last block's attention (the others
-    # are context only), and only they ever meet the [hidden, vocab] head.
-    starts = [s + p - 1 for s, (_, p) in zip(itertools.accumulate([0] + lengths), rows)]
-    where = (data.spans(starts, [n - p for n, (_, p) in zip(lengths, rows)], device) if logprobs
+    # Position j predicts token j+1: a span of R scored tokens from position P is scored at the sequence's
+    # positions P-1 .. P+R-2. Only those are kept past the last block's attention (the others, env tokens
+    # included, are context only), and only they ever meet the [hidden, vocab] head.
+    scored = [data.scored_spans(*row) for row in rows]
+    starts = [o + a - 1 for o, sp in zip(itertools.accumulate([0] + lengths), scored) for a, _ in sp]
+    where = (data.spans(starts, [n for sp in scored for _, n in sp], device) if logprobs
              else torch.zeros(0, dtype=torch.long, device=device))  # [N]; none for the indexer alone
     out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True, keep=where)
     hidden, kl = out if indexer_loss is not None else (out, None)  # [1, N, hidden]
@@ -126,14 +129,24 @@ def resumed(resume, stage, key, default):
 # ----------------------------------------------------------------------------- stages 1 and 2: warm-ups
 
 
-def example_tokens(cfg: Config, tokenizer, ex):
-    """(prompt + reference response + eos, prompt length): the text the warm-up stages learn from."""
-    prompt = data.render_prompt(tokenizer, ex["prompt"], cfg.rollout.chat_template)
-    answer = tokenizer.encode(ex["solution"], add_special_tokens=False)
-    return prompt + answer + [tokenizer.eos_token_id], len(prompt)
+def example_rows(cfg: Config, tokenizer, examples, env_cls):
+    """[(prompt + reference response + eos, prompt length)]: the text the warm-up stages learn from. With
+    data.env a reference is the model's turns of a trace, played through the env as an RL episode is
+    (env.traces): (its tokens, the spans of the model's turns), so the warm-up learns only the model's."""
+    if not cfg.data.env:
+        prompts = [data.render_prompt(tokenizer, ex["prompt"], cfg.rollout.chat_template) for ex in examples]
+        return [(p + tokenizer.encode(ex["solution"], add_special_tokens=False) + [tokenizer.eos_token_id], len(p))
+                for p, ex in zip(prompts, examples)]
+    turns = [ex["solution"] if isinstance(ex["solution"], list) else [ex["solution"]] for ex in examples]
+    stop = env.handoff_token(tokenizer) if any(len(t) > 1 for t in turns) else None
+    eps = env.traces(env_cls, examples, turns, tokenizer, env.limits_of(cfg.rollout, cfg.rollout.max_new_tokens), stop,
+                     tokenizer.eos_token_id, cfg.rollout.chat_template)
+    for ep in (ep for ep in eps if ep.failure is not None):
+        raise ValueError(f"data.env: the supervised trace of example {ep.example!r:.80} failed: {ep.failure}")
+    return [(ep.prompt + ep.response, [(len(ep.prompt) + a, n) for a, n in ep.spans]) for ep in eps]
 
 
-def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log, preempt):
+def train_warmup(stage, cfg: Config, model, tokenizer, examples, env_cls, resume, log, preempt):
     """dsa_warmup: the rest of the model frozen, the indexer minimises KL(attention || indexer) with
     dense attention. sft: next-token loss on the reference responses; with DSA, attention is top-k and
     the indexer keeps learning from the KL over its selected keys (inputs detached: the two losses
@@ -146,7 +159,7 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log, pr
     lr = cfg.optim.dsa_warmup_lr if indexer_only else cfg.optim.sft_lr
     wd = cfg.optim.weight_decay if indexer_only else cfg.optim.sft_weight_decay
     optimizer = adamw(cfg, model, lr, wd)
-    stream = data.PromptStream(examples, seed=cfg.seed)
+    stream, tokens = data.PromptStream(examples, seed=cfg.seed), {}
     step, skips = resumed(resume, stage, "step", 0), Skips(cfg.optim.max_skipped_steps, *resumed(resume, stage, "skipped", (0, 0)))
     if step:
         set_optimizer_state_dict(learner, optimizer, resume["optimizer"], options=StateDictOptions(full_state_dict=True))
@@ -155,8 +168,11 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, resume, log, pr
     bar = tqdm(total=steps, initial=step, desc=stage, dynamic_ncols=True, disable=rank() != 0)
     while step < steps:
         t0 = time.perf_counter()
-        rows = [example_tokens(cfg, tokenizer, ex) for ex in stream.next(cfg.train.warmup_batch_size)]
-        n_answer = sum(len(s) - p for s, p in rows)  # the LM loss is a mean over response tokens
+        batch = stream.next(cfg.train.warmup_batch_size)
+        new = list({id(ex): ex for ex in batch if id(ex) not in tokens}.values())  # each example's tokens once
+        tokens |= dict(zip(map(id, new), example_rows(cfg, tokenizer, new, env_cls)))  # (a trace plays its env)
+        rows = [tokens[id(ex)] for ex in batch]
+        n_answer = sum(n for row in rows for _, n in data.scored_spans(*row))  # the LM loss: a mean over the model's tokens
         n_all = sum(len(s) for s, _ in rows)  # the indexer KL is a mean over all query tokens
         mine = data.split_across_ranks([len(s) for s, _ in rows], world())[rank()]  # this rank's share
         groups = [[mine[j] for j in mb] for mb in
@@ -224,8 +240,10 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
 
     # The batch's response tokens as flat [N] arrays (sample after sample); a micro-batch picks its
     # tokens out with one index (spans), and pads them to [B, T] for the loss with one masked_scatter.
-    rows = [(s.prompt_ids + s.response_ids, len(s.prompt_ids)) for s in samples]
-    sizes = [len(s.response_ids) for s in samples]
+    # A multi-turn sample scores its model turns only (s.spans): the env's tokens are context, never loss
+    rows = [(s.prompt_ids + s.response_ids, len(s.prompt_ids) if s.spans is None else
+             [(len(s.prompt_ids) + a, n) for a, n in s.spans]) for s in samples]
+    sizes = [len(s.gen_logprobs) for s in samples]  # model tokens
     first = list(itertools.accumulate([0] + sizes))  # where each sample's tokens start in the flat arrays
     gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N]
     parts = micro_batches(model, data.pack_by_tokens([len(seq) for seq, _ in rows], cfg.optim.max_tokens_per_micro_batch))
@@ -288,7 +306,7 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     return metrics | optimizer_step(optimizer, model, metrics["train/loss"], cfg.optim.grad_clip, lr)
 
 
-def run_eval(cfg: Config, engine, tokenizer, sets, stop_ids, reward):
+def run_eval(cfg: Config, engine, tokenizer, sets, stop_ids, env_cls):
     """Each rank evaluates every world()-th example of each set on its own engine. Accuracy and pass@k
     are means over prompts, so the prompt-weighted mean of the ranks' numbers is that of the whole set."""
     t = cfg.train
@@ -299,8 +317,8 @@ def run_eval(cfg: Config, engine, tokenizer, sets, stop_ids, reward):
         mine = examples[rank()::world()]
         for prefix, temperature, n in runs:
             sampling = SamplingParams(temperature, max_new_tokens=t.eval_max_new_tokens, stop_token_ids=stop_ids)
-            m = evaluate(engine, mine, tokenizer, n=n, sampling=sampling, seed=cfg.seed, reward_fn=reward,
-                         chat_template=cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens) if mine else {}
+            m = evaluate(engine, mine, tokenizer, n=n, sampling=sampling, seed=cfg.seed, env_cls=env_cls, chat_template=
+                         cfg.rollout.chat_template, limits=env.limits_of(cfg.rollout, t.eval_max_new_tokens)) if mine else {}
             if prefix:
                 m = {"accuracy": m["accuracy"]} if m else {}
             parts = [(k, pm) for k, pm in all_gather((len(mine), m)) if k]
@@ -309,17 +327,17 @@ def run_eval(cfg: Config, engine, tokenizer, sets, stop_ids, reward):
     return out
 
 
-def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, sets, reward, resume, log, preempt):
+def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, sets, env_cls, resume, log, preempt):
     """Each rank generates prompts_per_step / world() groups from its own slice of the prompts, and all
     ranks' learners take one optimizer step together on the union: the global batch."""
     r, t = cfg.rollout, cfg.train
-    stop_ids = tuple(sorted(set(model.cfg.eos_token_id) | {tokenizer.eos_token_id}))
+    # A turn ends at eos, or (with an env) where the chat format hands over: <|observation|> (a tool), <|user|>
+    stop_ids = tuple(sorted(set(model.cfg.eos_token_id) | {tokenizer.eos_token_id} | set(env.turn_ends(tokenizer) if cfg.data.env else ())))
     sampling = SamplingParams(r.temperature, max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     for name, p in model.named_parameters():
         p.requires_grad_(".indexer." not in name)  # GLM-5 keeps the indexer frozen during RL
     learner = parallel_learner(model, model.lm_head.weight.device, t.parallel)  # FSDP swaps in sharded parameters
-    optimizer = adamw(cfg, model, cfg.optim.lr, cfg.optim.weight_decay)
-    g = cfg.grpo
+    optimizer, g = adamw(cfg, model, cfg.optim.lr, cfg.optim.weight_decay), cfg.grpo
     guard = grpo.KLGuard(g.kl_guard_threshold, g.kl_guard_factor, g.kl_guard_window, g.kl_guard)
     stream = data.PromptStream(train_examples[rank()::world()], seed=cfg.seed)  # groups never cross processes
     skips = Skips(cfg.optim.max_skipped_steps, *resumed(resume, "rl", "skipped", (0, 0)))
@@ -333,10 +351,13 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
     engine.update_weights(full_weights(learner, gen_dtype), version)  # the generator starts from the learner's weights
     gen = Generator(engine, stream, tokenizer, prompts_per_step=r.prompts_per_step // world(), n=r.n, sampling=sampling,
                     max_staleness=r.max_staleness, dynamic_sampling=r.dynamic_sampling, oversample=r.oversample,
-                    chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, reward_fn=reward, seed=cfg.seed + 7919 * rank(),
-                    first_index=version, partial_rollout=r.partial_rollout, truncated=r.truncated, ready=ready)
+                    chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, env_cls=env_cls,
+                    limits=env.limits_of(r, r.max_new_tokens), seed=cfg.seed + 7919 * rank(), first_index=version,
+                    partial_rollout=r.partial_rollout, truncated=r.truncated, max_failures=r.max_failure_fraction,
+                    run_dir=cfg.run_dir, dump_fraction=r.dump_fraction,
+                    rank=rank(), world=world(), ready=ready)
     if version == 0:
-        log.write("rl", 0, run_eval(cfg, engine, tokenizer, sets, stop_ids, reward))
+        log.write("rl", 0, run_eval(cfg, engine, tokenizer, sets, stop_ids, env_cls))
     bar, m, acc = tqdm(total=t.rl_steps, initial=version, desc="rl", dynamic_ncols=True, disable=rank() != 0), {}, None
     gen.start()
     try:
@@ -361,7 +382,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
                                   "perf/tokens_per_s": m.get("train/tokens", 0) / step_s, "perf/generator_idle": gen.idle_fraction()}
             m = combine_ranks(m)
             if version == t.rl_steps or (t.eval_every and version % t.eval_every == 0):
-                m |= run_eval(cfg, engine, tokenizer, sets, stop_ids, reward)
+                m |= run_eval(cfg, engine, tokenizer, sets, stop_ids, env_cls)
             log.write("rl", version, m)
             bar.update(1)
             acc = next((v for k, v in m.items() if k.endswith("/accuracy")), acc)  # the latest eval's first set
@@ -398,12 +419,7 @@ def main(argv=None):
     under_torchrun = "RANK" in os.environ
     processes = int(os.environ.get("WORLD_SIZE", 1)) if under_torchrun else cfg.train.pairs
     if args.dry_run:
-        plan = plan_memory(cfg, processes)
-        print(f"{args.config}: {processes} generator/learner GPU pairs, learners in {cfg.train.parallel}, "
-              f"on H100s\n{plan.text(H100_BYTES)}", flush=True)
-        if plan.problems(H100_BYTES):
-            raise ConfigError("does not fit on H100s: " + "; ".join(plan.problems(H100_BYTES)))
-        return
+        return check_memory(cfg, processes, title=args.config)  # prints the plan, or says what does not fit
     fresh = not (args.resume and checkpoints(run_dir))
     if not args.resume and (checkpoints(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
         raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or run_dir=... for a new one")
@@ -419,9 +435,7 @@ def main(argv=None):
     if cfg.rollout.prompts_per_step % world():  # torchrun decides the world size, not train.pairs
         raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over {world()} processes")
     if devices[1].type == "cuda":  # fail now, not after loading 18 GB and compiling kernels
-        problems = plan_memory(cfg, world()).problems(torch.cuda.get_device_properties(devices[1]).total_memory)
-        if problems:
-            raise ConfigError("this config does not fit: " + "; ".join(problems) + " (see --dry-run)")
+        check_memory(cfg, world(), torch.cuda.get_device_properties(devices[1]).total_memory)
     barrier()
     if rank() == 0:
         os.makedirs(run_dir, exist_ok=True)
@@ -437,10 +451,11 @@ def main(argv=None):
     start = start or starting_point(cfg, run_dir)
     try:  # data.py, model.py and transformers name the file and what was wrong: show that, not a traceback
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or start)
-        reward = data.load_reward(cfg.data.reward)
+        env_cls = env.load_env(cfg.data.env) if cfg.data.env else env.single_turn(data.load_reward(cfg.data.reward))
         examples_of = lambda src, split: data.load_examples(  # noqa: E731  (all prompts tokenized now: fail in seconds)
-            src, tokenizer, cfg.data, split=split, seed=cfg.seed, sft=cfg.train.sft_steps > 0,
-            chat_template=cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens, verbose=rank() == 0)
+            src, tokenizer, cfg.data, split=split, seed=cfg.seed, sft=cfg.train.sft_steps > 0, chat_template=
+            cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens, verbose=rank() == 0,
+            openings=cfg.data.env and (lambda exs: env.openings(env_cls, exs, tokenizer, cfg.rollout.chat_template)))
         train_examples = examples_of(cfg.data.train, "train")
         sets = {name: examples_of(src, "eval") for name, src in eval_sets(cfg).items()}
         load = lambda path: GLM.from_pretrained(path, dsa=cfg.model.dsa, dtype=torch.float32, device=devices[1])  # noqa: E731
@@ -464,12 +479,12 @@ def main(argv=None):
     done = ("dsa_warmup", "sft", "rl").index(resume["stage"]) if resume else 0  # stages before the checkpoint's are finished
     for i, stage in enumerate(("dsa_warmup", "sft")):
         if i >= done and getattr(cfg.train, f"{stage}_steps") > 0:
-            train_warmup(stage, cfg, model, tokenizer, train_examples, resume, log, preempt)
+            train_warmup(stage, cfg, model, tokenizer, train_examples, env_cls, resume, log, preempt)
     if cfg.train.rl_steps > 0:
         set_threads(devices, rl=True)
         ref_model = reference_model(cfg, model, tokenizer, resume) if cfg.grpo.kl_coef > 0 or cfg.grpo.kl_guard else None
         try:
-            last = train_rl(cfg, model, engine, ref_model, tokenizer, train_examples, sets, reward, resume, log, preempt)
+            last = train_rl(cfg, model, engine, ref_model, tokenizer, train_examples, sets, env_cls, resume, log, preempt)
         finally:
             if hasattr(engine, "shutdown"):  # SGLang's server processes must not outlive us
                 engine.shutdown()

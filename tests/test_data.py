@@ -87,7 +87,7 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path, text, lineno, needle):
     ('{"prompt": "q", "label": "1", "response": "r"}\n{"prompt": "q", "label": "1"}\n', {"response_key": "response"},
      2, "missing key 'response' (keys present: ['label', 'prompt'])"),
     ('{"prompt": "q", "label": "1", "response": 3}\n', {"response_key": "response"}, 1,
-     "'response' must be a string (the reference response), got int"),
+     "'response' must be a string (the reference response) or, with data.env, a list of strings (the model's turns), got int"),
 ])
 def test_load_jsonl_key_errors(tmp_path, text, kwargs, lineno, message):
     p = write(tmp_path, text)

@@ -397,3 +397,47 @@ def test_kl_guard_floor_and_disabled():
     assert [guard.update(1.0) for _ in range(4)] == [0.5, 0.25, 0.2, 0.2]
     off = grpo.KLGuard()
     assert all(off.update(5.0) == 1.0 for _ in range(20)) and not off.fired and off.window_mean == 5.0
+
+
+@pytest.mark.parametrize("agg", MODES)
+def test_dis_is_the_unclipped_surrogate_masked_outside_the_band(agg):
+    """GLM-5's direct double-sided importance sampling against a float64 hand loop: a token whose rho is in
+    [1 - eps_low, 1 + eps_high] gives -A rho with gradient -A rho (never clipped, even where PPO's clip would
+    be active); outside the band it gives 0 and no gradient, yet still counts in the denominators."""
+    logp, gen, adv, mask = make_batch(seed=11, spread=0.2)
+    loss, grad, m = run(logp, gen, adv, mask, agg=agg, surrogate="dis")
+    B, T = logp.shape
+    val, der = [[0.0] * T for _ in range(B)], [[0.0] * T for _ in range(B)]
+    inside = outside = 0
+    for i in range(B):
+        for t in range(T):
+            if not mask[i][t]:
+                continue
+            r = math.exp(logp[i][t].item() - gen[i][t].item())
+            if 0.8 <= r <= 1.28:
+                val[i][t], der[i][t] = -adv[i].item() * r, -adv[i].item() * r
+                inside += 1
+            else:
+                outside += 1
+    n = [int(mask[i].sum()) for i in range(B)]
+    if agg == "seq-mean-token-mean":
+        want = sum(sum(val[i]) / n[i] for i in range(B)) / B
+        want_grad = [[der[i][t] / (n[i] * B) for t in range(T)] for i in range(B)]
+    else:
+        D = sum(n) if agg == "token-mean" else B
+        want, want_grad = sum(map(sum, val)) / D, [[der[i][t] / D for t in range(T)] for i in range(B)]
+    assert inside > 3 and outside > 3  # both sides of the band are exercised
+    assert_close(loss, want)
+    assert_close(grad, want_grad)
+    assert m["dis_masked_frac"] == pytest.approx(outside / sum(n))
+    # where PPO would clip (rho in the band's outer part for A > 0 past 1 + eps_high) DIS masks instead: not equal
+    clip_loss, _, _ = run(logp, gen, adv, mask, agg=agg)
+    assert abs(clip_loss - loss) > 1e-6
+
+
+def test_dis_refuses_a_second_off_policy_correction():
+    logp, gen, adv, mask = make_batch()
+    with pytest.raises(ValueError, match="needs icepop_beta and tis_cap null"):
+        run(logp, gen, adv, mask, agg="token-mean", surrogate="dis", icepop_beta=2.0)
+    with pytest.raises(ValueError, match="unknown surrogate"):
+        run(logp, gen, adv, mask, agg="token-mean", surrogate="ppo")

@@ -9,6 +9,7 @@ import rollout
 from data import PromptStream, make_tiny_tokenizer
 from engine import SamplingParams, TorchEngine, sample_tokens
 from model import GLM, GLMConfig
+from env import Limits, single_turn
 from rollout import Generator, evaluate
 from test_engine import keys, slow
 
@@ -168,17 +169,52 @@ def test_uniform_groups_used_to_top_up_are_not_counted_as_dropped():
     assert len({s.group for s in batch.samples}) == 2 and batch.metrics["rollout/groups_dropped"] == drawn - 2
 
 
-def test_generator_error_surfaces_at_once():
-    def boom(text, example):
-        raise ZeroDivisionError("grader exploded")
-
-    gen = make_generator(1, reward_fn=boom)
+def test_generator_error_surfaces_at_once(monkeypatch):
+    """A bug in the generator thread (here the engine's) reaches the learner at once, with its cause."""
+    gen = make_generator(1)
+    monkeypatch.setattr(gen.engine, "stream", lambda *a, **k: 1 / 0)
     gen.start()
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="generator thread failed") as e:
         gen.get(timeout=30)
     assert isinstance(e.value.__cause__, ZeroDivisionError) and time.perf_counter() - t0 < 10
     gen.stop()
+
+
+def test_a_reward_that_raises_is_data_until_too_many_fail(tmp_path, capsys):
+    """A reward hook that raises fails its trajectory, not the run: a warning line naming the reward, the example
+    and the exception, the first traceback of the kind saved in the run directory; a group keeps training while
+    more than half of it is left, else it is dropped; beyond rollout.max_failure_fraction the run stops with one
+    line (TooManyFailures, which the learner re-raises as it is)."""
+    def flaky(text, example):
+        if example["label"] in ("2", "3"):  # a+1= with a = 1, 2: every sample of those prompts fails
+            raise ZeroDivisionError("grader exploded")
+        return 1.0
+
+    gen = make_generator(0, reward_fn=flaky, n=3)
+    gen.run_dir, gen.prompts_per_step = str(tmp_path), 5
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)
+    finally:
+        gen.stop()
+    failed = {s.example["label"] for s in batch.samples} & {"2", "3"}
+    assert not failed and batch.metrics["rollout/groups_failed"] >= 1
+    assert batch.metrics["rollout/env_failures"] == 3 * batch.metrics["rollout/groups_failed"]
+    # the dropped groups' places go to fresh prompts, drawn in a further round
+    assert len({s.group for s in batch.samples}) == 5 and batch.metrics["rollout/rounds"] >= 2
+    out = capsys.readouterr().out
+    assert "env failure on example" in out and "flaky.step raised ZeroDivisionError: grader exploded" in out
+    saved = (tmp_path / "env_failures" / "flaky_step_raised_ZeroDivisionError.txt").read_text()
+    assert "Traceback" in saved and "grader exploded" in saved
+    gen = make_generator(0, reward_fn=lambda text, example: 1 / 0, n=2)
+    gen.start()
+    try:
+        with pytest.raises(rollout.TooManyFailures, match=r"16 of 16 trajectories of rollout batch 0 failed in the env "
+                                                          r"\(over rollout.max_failure_fraction=0.5\); the first: <lambda>"):
+            gen.get(timeout=30)
+    finally:
+        gen.stop()
 
 
 def test_stop_interrupts_generation_in_flight():
@@ -216,7 +252,7 @@ def test_evaluate_reports_accuracy_and_pass_at_k():
     examples = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
     calls = iter([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     m = evaluate(engine, examples, tok, n=4, sampling=SamplingParams(max_new_tokens=3), chat_template=True,
-                 max_prompt_tokens=32, reward_fn=lambda text, example: next(calls))
+                 limits=Limits(3, 3, 1), env_cls=single_turn(lambda text, example: next(calls)))
     assert m["accuracy"] == pytest.approx(1 / 8) and m["pass@4"] == pytest.approx(0.5)
     assert m["pass@1"] == pytest.approx(1 / 8)
 

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -22,6 +23,7 @@ import checkpoint
 import config
 import data
 import dsa
+import env
 import grpo
 import parallel
 import train
@@ -45,9 +47,9 @@ FAST = ["model.init.hidden_size=32", "model.init.intermediate_size=64", "model.i
 # ----------------------------------------------------------------------------- learner vs generator
 
 
-def tiny_model(seed=0, topk=4):
+def tiny_model(seed=0, topk=4, vocab=len(data.make_tiny_tokenizer())):
     torch.manual_seed(seed)
-    cfg = GLMConfig(vocab_size=len(data.make_tiny_tokenizer()), hidden_size=32, intermediate_size=64,
+    cfg = GLMConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
                     num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, eos_token_id=[1], pad_token_id=0,
                     dsa={"topk": topk, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
     model = GLM(cfg)
@@ -215,11 +217,83 @@ def test_rl_step_under_bf16_autocast(rollouts, monkeypatch):
     assert cos > 0.95, cos
 
 
+class Echo:
+    """A test env: the model's first turn gets an observation back, its second ends the episode."""
+    tools = []
+
+    def __init__(self, example):
+        self.example, self.n = example, 0
+
+    def reset(self):
+        return [{"role": "user", "content": self.example["prompt"]}]
+
+    def step(self, text):
+        self.n += 1
+        return ([] if self.n >= 2 else [{"role": "observation", "content": "obs " + text[:4]}]), float(len(text) % 2), \
+            self.n >= 2
+
+
+@pytest.fixture(scope="module")
+def multi_turn():
+    """A learner model and multi-turn samples its engine copy played with Echo: model turns, env tokens between."""
+    tok = data.make_tiny_tokenizer(tools=True)
+    model = tiny_model(vocab=len(tok))
+    engine = TorchEngine(copy.deepcopy(model), max_batch=8)
+    stops = tuple(sorted({tok.eos_token_id, *env.turn_ends(tok), *range(7, len(tok), 4)}))  # turns end early
+    eps = [env.Episode({"prompt": p}, i) for i, p in enumerate(["1+2=", "3*4=", "5-6=", "7+8=", "9*9="]) for _ in range(2)]
+    list(env.run_episodes(engine, eps, Echo, tok, SamplingParams(temperature=0.7, stop_token_ids=stops),
+                          env.Limits(10, 60, 3), seed=1))
+    samples = [Sample(ep.prompt, ep.response, ep.logprobs, ep.reward, k // 2, (0, 0), ep.finish, ep.example,
+                      spans=ep.spans, turns=ep.turns) for k, ep in enumerate(eps)]
+    assert sum(s.turns == 2 and len(s.response_ids) > len(s.gen_logprobs) for s in samples) >= 4  # env tokens inside
+    return model, samples
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_multi_turn_loss_is_the_float64_loss_over_model_tokens_alone(multi_turn, agg, monkeypatch):
+    """rl_step on trajectories with env tokens inside (packed, micro-batched) gives the gradient of a float64
+    reference that runs each whole sequence unpacked and scores the model's tokens only: env tokens are
+    context, never in lm_head, the loss or a denominator. fp32 to 1e-4; bf16 autocast to bf16 precision."""
+    model, samples = multi_turn
+    batch = RolloutBatch(samples, index=0, stream_state={}, metrics={})
+    ref = copy.deepcopy(model).double()
+    adv = grpo.group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64), 2)
+    terms, n_tokens = [], 0
+    for s, a in zip(samples, adv):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = (ref(ids)[0].double() / 0.7).log_softmax(-1)
+        where = torch.tensor([len(s.prompt_ids) + start + k for start, n in s.spans for k in range(n)])
+        lp = logp[where - 1, ids[0, where]]  # position j - 1 predicts token j
+        gen = torch.tensor(s.gen_logprobs, dtype=torch.float64)
+        ratio = torch.exp(lp - gen)
+        w = torch.exp(lp.detach() - gen)
+        loss = torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.28)) * ((w >= 0.5) & (w <= 2.0))
+        terms.append(loss.mean() if agg == "seq-mean-token-mean" else loss.sum())
+        n_tokens += len(lp)
+    (torch.stack(terms).sum() / (len(samples) if agg == "seq-mean-token-mean" else n_tokens)).backward()
+    want = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None])
+    for dtype in ("fp32", "bf16"):
+        if dtype == "bf16":
+            monkeypatch.setattr(train, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+        learner = copy.deepcopy(model)
+        cfg, opt, guard = rl_setup(learner, **{"grpo.agg": agg, "optim.grad_clip": 1e9, "optim.max_tokens_per_micro_batch": 40})
+        m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+        assert m["train/samples"] == len(samples) and m["train/skipped"] == 0.0
+        got = torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None]).double()
+        if dtype == "fp32":
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+        else:
+            # bf16 rounds every matmul (and can move a token across the clip or IcePop edges): the same update
+            # to bf16 precision, where scoring one env token or one wrong denominator would not be
+            assert torch.nn.functional.cosine_similarity(got, want, dim=0) > 0.97
+            assert (got - want).norm() < 0.25 * want.norm()
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
-def run_train(run_dir, *overrides, resume=False, wait=True):
-    cmd = [sys.executable, "train.py", "--config", TINY, f"run_dir={run_dir}", *FAST, *overrides]
+def run_train(run_dir, *overrides, resume=False, wait=True, config=None):
+    cmd = [sys.executable, "train.py", "--config", config or TINY, f"run_dir={run_dir}", *FAST, *overrides]
     if resume:
         cmd.append("--resume")
     if not wait:
@@ -439,6 +513,78 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(async_run,
     assert (state["stage"], state["step"]) == ("rl", stopped["step"])  # saved at the step it stopped after
     run_train(run_dir, "rollout.max_staleness=1", resume=True)
     assert_same_run(run_dir, async_run)
+
+
+TOOL = os.path.join(ROOT, "configs", "tiny_tool_cpu.yaml")
+# The calculator demo, small: enough supervised steps that the model calls the tool, a few RL steps
+TOOL_FAST = ["data.train_size=256", "train.sft_steps=200", "train.warmup_batch_size=32", "optim.sft_lr=1e-2",
+             "train.rl_steps=4", "rollout.max_staleness=1", "rollout.dump_fraction=1.0"]
+
+
+@pytest.fixture(scope="module")
+def tool_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("tool"))
+    run_train(run_dir, *TOOL_FAST, config=TOOL)
+    return run_dir
+
+
+def test_a_multi_turn_run_with_the_calculator_resumes_exactly(tool_run, tmp_path):
+    """The calculator env, multi-turn episodes, one step off-policy: SIGTERM after an RL step, --resume, and the
+    run ends as the uninterrupted one (metrics and weights): turns are admitted in lockstep, each turn's seed is
+    fixed, so a resumed batch plays the same episodes."""
+    rl = [r for r in metrics(tool_run) if r["stage"] == "rl" and "rollout/turns" in r]
+    assert max(r["rollout/turns"] for r in rl) > 1 and max(r["rollout/tool_calls"] for r in rl) > 0  # multi-turn
+    assert all(r["rollout/env_failures"] == 0 for r in rl)
+    assert "eval/multiply/tool_call_rate" in metrics(tool_run)[-1]
+    dumped = [json.loads(line) for f in sorted(os.listdir(os.path.join(tool_run, "rollouts")))
+              for line in open(os.path.join(tool_run, "rollouts", f))]  # the dump: a sampled fraction, turn by turn
+    assert dumped and any({"model", "env"} <= {t["role"] for t in d["turns"]} and d["tool_io"] for d in dumped)
+    run_dir = str(tmp_path / "term")
+    proc = run_train(run_dir, *TOOL_FAST, config=TOOL, wait=False)
+    wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
+             any(r["stage"] == "rl" and r["step"] == 1 for r in metrics(run_dir)), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    run_train(run_dir, *TOOL_FAST, config=TOOL, resume=True)
+    assert_same_run(run_dir, tool_run)
+
+
+README_ENV_DATA = [{"question": "What is the capital of Atlantis?", "answer": "Poseidonia",
+                    "table": {"atlantis": "Poseidonia", "lemuria": "Mu"}, "solution": "\\boxed{Poseidonia}"}] * 8
+
+
+def test_the_readme_env_runs_unchanged_and_a_crashing_tool_is_survived(tmp_path):
+    """The README's example env, copied out of the README, trains end to end on a JSONL file (no prompt or label
+    key: the env reads what it needs); a variant whose tool crashes now and then loses those trajectories, not
+    the run."""
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    code = readme.split("# my_envs.py", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_envs.py").write_text("# my_envs.py" + code + textwrap.dedent("""
+
+        class Flaky(Lookup):
+            calls = 0
+
+            def step(self, text):
+                Flaky.calls += 1
+                if Flaky.calls % 5 == 0:
+                    raise ConnectionError("the tool's server went away")
+                return super().step(text)
+        """))
+    (tmp_path / "facts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in README_ENV_DATA))
+    for cls in ("Lookup", "Flaky"):
+        run_dir = str(tmp_path / cls)
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, f"run_dir={run_dir}", *FAST,
+                            "data.env=my_envs:" + cls, f"data.train={tmp_path / 'facts.jsonl'}",
+                            f"data.eval={tmp_path / 'facts.jsonl'}", "data.response_key=solution", "rollout.max_prompt_tokens=40",
+                            "model.init.max_position_embeddings=64", "rollout.max_total_tokens=24", "train.eval_max_new_tokens=16"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        rl = [r for r in metrics(run_dir) if r["stage"] == "rl" and "rollout/turns" in r]
+        assert len(rl) == 4 and all(r["rollout/env_failures"] == 0 for r in rl) == (cls == "Lookup")
+        if cls == "Flaky":
+            assert "env failure on example" in p.stdout and "Flaky.step raised ConnectionError" in p.stdout
+            assert os.listdir(os.path.join(run_dir, "env_failures"))
 
 
 def test_resume_reads_the_runs_own_config(tmp_path):

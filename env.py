@@ -1,0 +1,554 @@
+"""
+Environments: multi-turn episodes, between the engine (engine.py samples one turn) and the rollouts
+(rollout.py groups and grades trajectories). A trajectory is the prompt, then model turns and the
+environment's messages alternating, as one list of token ids:
+
+    [prompt: env.reset()] [model: calc(37*48) <|observation|>] [env: 1776 <|assistant|>] [model: \\boxed{1776} eos]
+     context only          trained, exactly as sampled           context only             trained
+
+The hook (data.env: "module:Class"; the README has an example). One instance per trajectory:
+
+    class MyEnv:
+        tools: list[dict] = []                  # optional JSON schemas, passed to apply_chat_template(tools=...)
+        def __init__(self, example): ...        # one episode; the whole JSONL object, every field kept
+        def reset(self) -> list[dict]: ...      # the opening chat messages: [{"role": "user", "content": ...}]
+        def step(self, text): ...               # after each model turn, with its decoded text:
+            # -> (messages to append, reward, done) or (messages, reward, done, info); info (all optional):
+            #    {"tool_calls": 1, "void": False, "tool_io": [...]}
+        def close(self): ...                    # optional; called for every episode, finished, cut or cancelled
+
+The reward is the one returned by the step that ends the trajectory. Single-turn RL is the special case
+of an env that is done after one turn: without data.env, SingleTurn wraps the reward hook (data.reward).
+
+Tokens across turns (GLM-5's "TITO": the trainer never re-tokenizes). The model's tokens are kept as
+sampled, with their logprobs; a turn ends at a stop id of the chat format (GLM: <|observation|> hands
+control to a tool, <|user|>) or at eos. The env's messages are rendered incrementally: a fixed short base
+conversation is rendered with and without them, and only the ids they add are appended. The history is
+never rendered again (GLM-Z1's template strips earlier <think> blocks, so a re-render is not append-only):
+earlier thinking stays in the context exactly as sampled. If the added ids start with the stop token the
+model just sampled (GLM renders an observation as <|observation|>\\n...), it is not repeated.
+
+Limits: rollout.max_new_tokens per turn, rollout.max_total_tokens after the prompt (model and env tokens
+together), rollout.max_turns; a trajectory cut by one ends with finish "length" and follows
+rollout.truncated like a cut single-turn response. Env messages are cut to rollout.max_env_chars
+characters before rendering. A turn with neither a tool call nor an answer (info "void") ends the
+trajectory with finish "void", and it is masked out of the loss (SimpleTIR: training on such trajectories
+is what makes multi-turn runs blow up); its reward still counts in its group's baseline.
+
+Failures are data. Every call into the env (or the reward hook) runs on a pool of daemon threads (many
+trajectories' tools at once) with a deadline (rollout.env_timeout_s). One that raises, times out or
+returns something malformed fails its trajectory: the trajectory is dropped (rollout.py decides what
+becomes of its group), never a traceback that ends the run. (The env itself runs in the trainer's
+process: an env that runs model-written code must send it to a sandbox of its own.)
+
+The file in reading order: the hook (load_env, SingleTurn), rendering env messages (render_messages), one
+trajectory (Limits, Episode, the guarded calls, start, model and env turns, close), the episode loop
+(run_episodes), supervised traces (traces), the demo's env (Calculator) and the rollout dump's record.
+"""
+import ast
+import contextlib
+import functools
+import json
+import operator
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass, field, replace
+
+from data import load_object, math_reward, render_prompt
+from engine import SamplingParams
+
+# The chat format's tokens that end a model turn besides eos (GLM-4's generation_config lists both among
+# its eos ids): the model hands control to a tool, or to the user.
+TURN_ENDS = ("<|observation|>", "<|user|>")
+# The fixed conversation env messages are rendered after: only the ids they add go into the trajectory.
+BASE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
+TURN_SEED = 1_000_000_007  # turn t of a batch samples with seed + t * TURN_SEED (turn 0: the batch's own seed)
+
+
+# ----------------------------------------------------------------------------- the hook
+
+
+def load_env(spec):
+    """The env class named by data.env ("module:Class"), checked against the contract (one line if not)."""
+    cls = load_object(spec, "data.env")
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        raise ValueError(f"data.env: {spec!r} must be a class with reset() and step(text) methods"
+                         + (f" (it has no {' or '.join(missing)})" if missing and isinstance(cls, type) else ""))
+    return cls
+
+
+class SingleTurn:
+    """The reward hook as an env: the prompt as the user's message, one model turn, graded, done. What
+    train.py runs when data.env is not set; its prompt is the example's (data.render_prompt)."""
+    tools: list = []
+    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
+
+    def __init__(self, example, reward_fn=math_reward):
+        self.example, self.reward_fn = example, reward_fn
+        self.name = getattr(reward_fn, "__name__", "reward")
+
+    def reset(self):
+        return self.example["prompt"]  # a string or messages, rendered as today's single-turn prompt
+
+    def step(self, text):
+        return [], float(self.reward_fn(text, self.example)), True
+
+
+def single_turn(reward_fn):
+    """The env of the reward hook: SingleTurn bound to the reward function (what run_episodes gets as its
+    env class when data.env is not set)."""
+    return functools.partial(SingleTurn, reward_fn=reward_fn)
+
+
+def name_of(env_cls):
+    """How warnings name an env: its class, or the reward function a SingleTurn wraps."""
+    if isinstance(env_cls, functools.partial):
+        return name_of(env_cls.keywords.get("reward_fn", env_cls.func))
+    return getattr(env_cls, "__name__", type(env_cls).__name__)
+
+
+# ----------------------------------------------------------------------------- rendering env messages
+
+
+def turn_ends(tokenizer):
+    """Ids of the chat format's turn-ending tokens (TURN_ENDS) that this tokenizer has as single tokens."""
+    vocab = tokenizer.get_vocab()
+    return tuple(vocab[t] for t in TURN_ENDS if t in vocab)
+
+
+def handoff_token(tokenizer):
+    """The token a model turn ends with to hand control to a tool (<|observation|>), for supervised traces."""
+    ends = turn_ends(tokenizer)
+    if not ends or ends[0] != tokenizer.get_vocab()[TURN_ENDS[0]]:
+        raise ValueError(f"data.env: the tokenizer has no {TURN_ENDS[0]} token to end a tool-calling turn with")
+    return ends[0]
+
+
+def _ids(out):
+    """apply_chat_template's output (a list, a BatchEncoding, a tensor) as list[int]."""
+    out = out["input_ids"] if hasattr(out, "keys") else out
+    out = out.tolist() if hasattr(out, "tolist") else out
+    return [int(i) for i in (out[0] if out and isinstance(out[0], list) else out)]
+
+
+def render_messages(tokenizer, messages, tools=None, last=None):
+    """The ids that env messages add to a conversation, then the generation prompt for the next model
+    turn: the render of BASE + messages minus the render of BASE. `last`: the token the model's turn
+    ended with; the added ids do not repeat it (GLM's observation starts with <|observation|>)."""
+    kw = {"tools": tools} if tools else {}
+    base = _ids(tokenizer.apply_chat_template(BASE, tokenize=True, **kw))
+    full = _ids(tokenizer.apply_chat_template(BASE + list(messages), tokenize=True, add_generation_prompt=True, **kw))
+    if full[:len(base)] != base:
+        raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'} does not "
+                         "extend its own prefix (a conversation rendered with more messages does not start with its "
+                         "render without them), so env messages cannot be appended to a trajectory")
+    delta = full[len(base):]
+    return delta[1:] if delta and last is not None and delta[0] == last else delta
+
+
+# ----------------------------------------------------------------------------- one trajectory
+
+
+@dataclass
+class Limits:
+    max_new_tokens: int  # per model turn
+    max_total_tokens: int  # after the prompt: model and env tokens together
+    max_turns: int  # model turns
+    max_env_chars: int = 4096  # each env message's content is cut to this many characters
+    timeout_s: float = 60.0  # each call into the env (or the reward hook)
+    max_prompt_tokens: int | None = None  # a longer opening fails its episode (it would be cut mid-question)
+
+
+def limits_of(rollout, per_turn) -> Limits:
+    """The episodes' limits from the config's rollout section; per_turn: max_new_tokens (eval: eval_max_new_tokens)."""
+    return Limits(per_turn, rollout.max_total_tokens or per_turn, rollout.max_turns, rollout.max_env_chars,
+                  rollout.env_timeout_s, rollout.max_prompt_tokens)
+
+
+@dataclass
+class Episode:
+    """One trajectory: its tokens, which of them the model sampled, and what the env said."""
+    example: dict
+    index: int  # the example's index among the run's examples (warnings and the dump name it)
+    prompt: list[int] = field(default_factory=list)
+    response: list[int] = field(default_factory=list)  # every token after the prompt, model and env, in order
+    spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of each model turn in response
+    logprobs: list[float] = field(default_factory=list)  # the generator's logprob of each model token, in order
+    reward: float = 0.0
+    finish: str | None = None  # "stop" (env done), "length" (a limit), "void", "cancelled"
+    failure: str | None = None  # why the env failed: the trajectory is dropped
+    error: BaseException | None = None  # ... and the exception, for its traceback
+    versions: list | None = None  # [oldest, newest] weight version of its model tokens
+    turns: int = 0
+    tool_calls: int = 0
+    tool_io: list = field(default_factory=list)
+    env_s: float = 0.0  # seconds spent in env calls
+    env: object = None
+
+    @property
+    def model_tokens(self):
+        return len(self.logprobs)
+
+
+class _Task:
+    def __init__(self, fn, args):
+        self.fn, self.args, self.started, self.result, self.abandoned = fn, args, None, None, False
+        self.done = threading.Event()
+
+    def run(self):
+        self.started = time.perf_counter()
+        try:
+            self.result = (True, self.fn(*self.args), time.perf_counter() - self.started)
+        except BaseException as e:  # noqa: BLE001 (the env's own bug is data here)
+            self.result = (False, e, time.perf_counter() - self.started)
+        self.done.set()
+
+
+class _Pool:
+    """Daemon threads that run env calls, so that many trajectories' tools run at once and a cheap call (a
+    reward) costs no thread start. A call that misses its deadline keeps its thread (a thread cannot be
+    killed): that thread is written off, leaves the pool if the call ever returns, and a new one replaces it."""
+
+    def __init__(self, size):
+        self.size, self.live, self.tasks, self.lock = size, 0, queue.SimpleQueue(), threading.Lock()
+
+    def submit(self, fn, args):
+        task = _Task(fn, args)
+        self.tasks.put(task)
+        with self.lock:
+            while self.live < self.size:
+                self.live += 1
+                threading.Thread(target=self._work, daemon=True, name="env-call").start()
+        return task
+
+    def write_off(self, task):
+        task.abandoned = True
+        with self.lock:
+            self.live -= 1  # its thread is stuck: the next submit starts another
+
+    def _work(self):
+        while True:
+            task = self.tasks.get()
+            task.run()
+            if task.abandoned:
+                return
+
+
+POOL = _Pool(64)
+
+
+def guarded(calls, timeout):
+    """Run calls, [(episode, what, fn, args)], all at once on POOL's threads (a tool's latency overlaps the
+    others'), each with a deadline from its start. Returns [(True, result) or (False, None)], a call that
+    raised, or missed its deadline, marking its episode failed."""
+    tasks = [POOL.submit(fn, args) for _, _, fn, args in calls]
+    out = []
+    for (ep, what, _, _), task in zip(calls, tasks):
+        while not task.done.wait(0.05 if task.started is None else max(0.0, task.started + timeout - time.perf_counter())):
+            if task.started is not None and time.perf_counter() >= task.started + timeout:
+                POOL.write_off(task)
+                break
+        if not task.done.is_set():
+            ep.env_s += timeout
+            out.append(_fail(ep, what, TimeoutError(f"no answer in {timeout:g} s (rollout.env_timeout_s)")))
+            continue
+        ok, value, secs = task.result
+        ep.env_s += secs
+        out.append((True, value) if ok else _fail(ep, what, value))
+    return out
+
+
+def _fail(ep, what, e):
+    ep.failure = ep.failure or f"{what} raised {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    ep.error = ep.error or e
+    ep.finish = ep.finish or "failed"
+    return False, None
+
+
+def _cap(messages, chars):
+    """Env messages with each content cut to `chars` characters (a tool's output can be megabytes)."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                          for m in messages):
+        raise TypeError(f"step() must return a list of {{'role': ..., 'content': str}} messages, got {messages!r:.200}")
+    return [m | {"content": m["content"][:chars]} if len(m["content"]) > chars else m for m in messages]
+
+
+def start(eps, env_cls, tokenizer, limits: Limits, chat_template=True):
+    """Make each episode's env (env_cls(example)) and render its prompt (reset()). Failures mark episodes."""
+    name = name_of(env_cls)
+    if getattr(getattr(env_cls, "func", env_cls), "trusted", False):  # SingleTurn: no user code before step()
+        for ep in eps:
+            ep.env = env_cls(ep.example)
+        openings = [(True, ep.env.reset()) for ep in eps]
+    else:
+        made = guarded([(ep, f"{name}.__init__", env_cls, (ep.example,)) for ep in eps], limits.timeout_s)
+        for ep, (ok, env) in zip(eps, made):
+            ep.env = env if ok else None
+        eps = [ep for ep in eps if ep.env is not None]
+        openings = guarded([(ep, f"{name}.reset", ep.env.reset, ()) for ep in eps], limits.timeout_s)
+    for ep, (ok, opening) in zip(eps, openings):
+        if not ok:
+            continue
+        try:
+            ep.prompt = render_prompt(tokenizer, opening, chat_template, tools=getattr(ep.env, "tools", None))
+        except (TypeError, ValueError, KeyError) as e:
+            _fail(ep, f"{name}.reset (rendering its messages)", e)
+            continue
+        if limits.max_prompt_tokens is not None and len(ep.prompt) > limits.max_prompt_tokens:
+            _fail(ep, f"{name}.reset", ValueError(f"its prompt has {len(ep.prompt)} tokens, over "
+                                                  f"rollout.max_prompt_tokens={limits.max_prompt_tokens}"))
+
+
+def openings(env_cls, examples, tokenizer, chat_template=True, timeout=60.0):
+    """The prompt ids each example's episode starts from (start-up checks every prompt's length); an env that
+    fails here is one ValueError line naming it and the example."""
+    eps, limits = [Episode(ex, -1) for ex in examples], Limits(1, 1, 1, timeout_s=timeout)
+    start(eps, env_cls, tokenizer, limits, chat_template)
+    close(eps, name_of(env_cls), limits)
+    bad = next((ep for ep in eps if ep.failure is not None), None)
+    if bad is not None:
+        raise ValueError(f"data.env: {bad.failure} (example {json.dumps(bad.example)[:80]})")
+    return [ep.prompt for ep in eps]
+
+
+def model_turn(ep: Episode, tokens, logprobs, versions):
+    """Append one model turn: its tokens as sampled, with their logprobs."""
+    ep.spans.append((len(ep.response), len(tokens)))
+    ep.response += tokens
+    ep.logprobs += logprobs
+    ep.turns += 1
+    lo, hi = versions
+    ep.versions = [lo, hi] if ep.versions is None else [min(ep.versions[0], lo), max(ep.versions[1], hi)]
+
+
+def env_turns(turns, tokenizer, limits: Limits, name):
+    """The env's answers to the model turns just appended, [(episode, its decoded text, cut: it hit
+    max_new_tokens)], all at once. Each episode ends (finish) or gets the env's rendered messages."""
+    results = guarded([(ep, f"{name}.step", ep.env.step, (text,)) for ep, text, _ in turns], limits.timeout_s)
+    for (ep, _, cut), (ok, out) in zip(turns, results):
+        if ok:
+            _answer(ep, out, cut, tokenizer, limits, name)
+
+
+def _answer(ep: Episode, out, cut, tokenizer, limits: Limits, name):
+    try:
+        if not (isinstance(out, tuple) and len(out) in (3, 4)):
+            raise TypeError(f"step() must return (messages, reward, done) or (..., info), got {out!r:.200}")
+        messages, reward, done, info = out if len(out) == 4 else (*out, {})
+        info = info or {}
+        ep.reward = float(reward)
+        ep.tool_calls += int(info.get("tool_calls", 0))
+        ep.tool_io += list(info.get("tool_io", ()))
+        messages = _cap(messages, limits.max_env_chars)
+    except (TypeError, ValueError) as e:
+        _fail(ep, f"{name}.step", e)
+        return
+    if info.get("void"):
+        ep.finish = "void"
+    elif cut:
+        ep.finish = "length"
+    elif done:
+        ep.finish = "stop"
+    elif ep.turns >= limits.max_turns:
+        ep.finish = "length"
+    else:
+        try:
+            delta = render_messages(tokenizer, messages, getattr(ep.env, "tools", None), ep.response[-1])
+        except Exception as e:  # noqa: BLE001 (the env's messages may not render: its failure)
+            _fail(ep, f"{name}.step (rendering its messages)", e)
+            return
+        if len(ep.response) + len(delta) >= limits.max_total_tokens:
+            ep.finish = "length"  # no room left for another model turn
+        else:
+            ep.response += delta
+
+
+def close(eps, name, limits: Limits):
+    """env.close(), once, for every episode that made an env (finished, cut, failed or cancelled)."""
+    todo = [ep for ep in eps if ep.env is not None and callable(getattr(ep.env, "close", None))]
+    envs = [ep.env for ep in todo]
+    for ep in eps:
+        ep.env = None
+    guarded([(ep, f"{name}.close", env.close, ()) for ep, env in zip(todo, envs)], limits.timeout_s)
+
+
+# ----------------------------------------------------------------------------- the episode loop
+
+
+def run_episodes(engine, episodes, env_cls, tokenizer, sampling: SamplingParams, limits: Limits, seed, *,
+                 chat_template=True, stopping=lambda: False, each=False):
+    """Play the episodes to their end and yield (index, episode) as each one ends (finished, cut, void
+    or failed); closing this generator early cancels the rest (their envs are closed, finish
+    "cancelled"). Turn by turn: every live episode's next model turn goes into one engine call (the
+    history prefilled again: the engine does not keep it between calls), then the env answers all of
+    them at once, or (each=True: dynamic sampling wants to stop as soon as it has enough) each one as it
+    arrives. Turn t's call uses seed + t * TURN_SEED (aborted completions are generated again with
+    seed + 7, as before). sampling: the turn's SamplingParams (its stop ids, the chat format's turn ends
+    included)."""
+    name = name_of(env_cls)
+    try:
+        start(episodes, env_cls, tokenizer, limits, chat_template)
+        for i, ep in enumerate(episodes):
+            if ep.finish is not None:
+                yield i, ep
+        live, turn = [i for i, ep in enumerate(episodes) if ep.finish is None], 0
+        while live and not stopping():
+            per = [replace(sampling, max_new_tokens=min(limits.max_new_tokens,
+                                                        limits.max_total_tokens - len(episodes[i].response)))
+                   for i in live]
+            calls = _generate(engine, [episodes[i].prompt + episodes[i].response for i in live], per,
+                              seed + turn * TURN_SEED, stopping)
+            with contextlib.closing(calls):  # closed early: the engine's call is cancelled at once
+                for part in ((c,) for c in calls) if each else (list(calls),):
+                    if stopping():  # the batch is being thrown away: no more env calls for it
+                        break
+                    for j, c in part:
+                        model_turn(episodes[live[j]], c.token_ids, c.logprobs, c.versions)
+                    env_turns([(episodes[live[j]], tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                                c.finish_reason == "length") for j, c in part], tokenizer, limits, name)
+                    for j, _ in part:
+                        if episodes[live[j]].finish is not None:
+                            yield live[j], episodes[live[j]]
+            live, turn = [i for i in live if episodes[i].finish is None], turn + 1
+    finally:
+        for ep in episodes:
+            if ep.finish is None:
+                ep.finish = "cancelled"
+        close(episodes, name, limits)
+
+
+def _generate(engine, prompts, per, seed, stopping):
+    """Yield (index, Completion) of one turn's call as they finish (a streaming engine) or all at the end.
+    Aborted completions (a stop, or SGLang's update without partial rollouts) are generated again until
+    none is left, unless the generator is stopping."""
+    redo = []
+    if hasattr(engine, "stream"):
+        stream = engine.stream(prompts, per, seed=seed)
+        try:
+            for i, c in stream:
+                if c.finish_reason == "abort":
+                    redo.append(i)
+                else:
+                    yield i, c
+        finally:
+            stream.close()
+    else:
+        for i, c in enumerate(engine.generate(prompts, per, seed=seed)):
+            if c.finish_reason == "abort":
+                redo.append(i)
+            else:
+                yield i, c
+    while redo and not stopping():
+        again, redo = redo, []
+        for i, c in zip(again, engine.generate([prompts[i] for i in again], [per[i] for i in again], seed=seed + 7)):
+            if c.finish_reason == "abort":
+                redo.append(i)
+            else:
+                yield i, c
+
+
+# ----------------------------------------------------------------------------- supervised traces
+
+
+def traces(env_cls, examples, turns, tokenizer, limits: Limits, stop_id, eos_id, chat_template=True):
+    """The tokens of scripted trajectories (a supervised warm-up on tool traces), all played at once: turns[k]
+    are example k's model turns, as text; each is encoded and ends with stop_id while more follow, else
+    eos_id, and the env's answers are rendered as in RL. Returns the Episodes (a failure set where the env
+    failed, or went on past the script)."""
+    eps, name = [Episode(ex, k) for k, ex in enumerate(examples)], name_of(env_cls)
+    start(eps, env_cls, tokenizer, limits, chat_template)
+    try:
+        live, k = [ep for ep in eps if ep.finish is None], 0
+        while live:
+            for ep in live:
+                if k == len(turns[ep.index]):
+                    _fail(ep, f"{name}.step", ValueError(f"the env goes on after the trace's {k} turns"))
+            live = [ep for ep in live if ep.finish is None]
+            for ep in live:
+                text, last = turns[ep.index][k], k == len(turns[ep.index]) - 1
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                model_turn(ep, ids + [eos_id if last else stop_id], [0.0] * (len(ids) + 1), (0, 0))
+            env_turns([(ep, turns[ep.index][k], False) for ep in live], tokenizer, limits, name)
+            live, k = [ep for ep in live if ep.finish is None], k + 1
+    finally:
+        close(eps, name, limits)
+    return eps
+
+
+# ----------------------------------------------------------------------------- the demo's env
+
+
+class Calculator:
+    """The tool demo's env (configs/tiny_tool_cpu.yaml): a calculator for multiplication problems the tiny
+    model cannot do in its head. A turn that writes calc(<expression>) gets the value back as an
+    observation; a turn with a \\boxed{} answer ends the episode, graded against the label; a turn with
+    neither is void. example["tools"] false: no calculator (a call gets an error message)."""
+    tools = [{"type": "function", "function": {"name": "calc", "description": "evaluate an arithmetic expression",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"expression": {"type": "string"}}}}}]
+    CALL = re.compile(r"calc\(([0-9+\-*/() ]{1,40})\)")
+
+    def __init__(self, example):
+        self.example = example
+        if not example.get("tools", True):
+            self.tools = []
+
+    def reset(self):
+        return [{"role": "user", "content": self.example["prompt"]}]
+
+    def step(self, text):
+        if "\\boxed" in text:
+            return [], math_reward(text, self.example), True
+        call = self.CALL.search(text)
+        if call is None:
+            return [], 0.0, True, {"void": True}
+        expr = call.group(1)
+        out = calculate(expr) if self.tools else "error: no calculator"
+        return [{"role": "observation", "content": out}], 0.0, False, {"tool_calls": 1, "tool_io": [[expr, out]]}
+
+
+def calculate(expr):
+    """An arithmetic expression of integers, + - * / and brackets, evaluated without eval() (Python's parser,
+    then only those operations): the value as text, or an error message for the model to read."""
+    try:
+        value = _value(ast.parse(expr, mode="eval").body) if len(expr) <= 200 else None
+    except ZeroDivisionError:
+        return "error: division by zero"
+    except (SyntaxError, ValueError, RecursionError):
+        value = None
+    if value is None:
+        return "error: bad expression"
+    return str(int(value)) if value == int(value) else f"{value:.6g}"
+
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def _value(node):
+    if isinstance(node, ast.Constant) and type(node.value) is int and node.value < 10**12:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_value(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        value = _OPS[type(node.op)](_value(node.left), _value(node.right))
+        if abs(value) <= 10**30:  # no astronomically large numbers
+            return value
+    raise ValueError
+
+
+def dump_record(ep: Episode, tokenizer):
+    """One trajectory as the rollout dump writes it (a JSON-ready dict): the text of each turn, which is the
+    model's and which the env's, the tool inputs and outputs, the reward and how it ended."""
+    turns, at = [], 0
+    for start_, n in ep.spans + [(len(ep.response), 0)]:
+        if start_ > at:
+            turns.append({"role": "env", "text": tokenizer.decode(ep.response[at:start_]), "tokens": start_ - at})
+        if n:
+            turns.append({"role": "model", "text": tokenizer.decode(ep.response[start_:start_ + n]), "tokens": n})
+        at = start_ + n
+    return {"example": ep.index, "prompt": tokenizer.decode(ep.prompt), "turns": turns, "tool_io": ep.tool_io,
+            "reward": ep.reward, "finish": ep.finish, "versions": ep.versions, "failure": ep.failure,
+            "label": json.loads(json.dumps(ep.example.get("label"), default=str))}

@@ -1,0 +1,264 @@
+"""env.py: incremental rendering on a template written for these tests that renders as GLM-Z1-9B-0414's does
+(observation role, earlier <think> stripped, [gMASK]<sop>, tools in the system turn), with a small
+tokenizer holding GLM's special tokens; exact token accounting through the episode loop on the torch
+engine; limits, void turns, failures (raise, timeout, malformed), close() on every episode; the demo's
+calculator."""
+import string
+import time
+
+import pytest
+import torch
+
+import env
+from data import make_tiny_tokenizer
+from engine import SamplingParams, TorchEngine
+from env import Episode, Limits, render_messages, run_episodes
+from model import GLM, GLMConfig
+
+# Written from GLM-Z1-9B-0414's published chat format (../docs: a user turn "<|user|>\n...", an observation
+# "<|observation|>\n...", an assistant turn keeps only the text after its last </think>, the generation
+# prompt "<|assistant|>\n<think>"), not copied from its file.
+GLM_LIKE_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- if tools -%}<|system|>\n# tools{% for t in tools %}\n{{ t['function']['name'] }}{% endfor %}{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' -%}<|assistant|>\n{{ m['content'].split('</think>')[-1].strip() }}"
+    "{%- else -%}<|{{ m['role'] }}|>\n{{ m['content'] }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>\n<think>{%- endif -%}")
+GLM_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
+               "<think>", "</think>"]
+
+
+def glm_like_tokenizer(template=GLM_LIKE_TEMPLATE):
+    """A character-level tokenizer with GLM's special tokens, each one token."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    chars = string.digits + string.ascii_letters + string.punctuation + " \n"
+    vocab = {t: i for i, t in enumerate(GLM_SPECIAL + list(chars))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="#"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(GLM_SPECIAL)
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.chat_template = template
+    return tok
+
+
+def test_env_messages_are_appended_not_re_rendered():
+    """A conversation's ids grow by what each new message adds; the observation's leading <|observation|> is
+    not repeated after the model sampled it; the thinking of the earlier turn stays exactly as sampled,
+    where a re-render of the whole conversation would strip it (GLM-Z1's template is not append-only)."""
+    tok = glm_like_tokenizer()
+    obs = tok.convert_tokens_to_ids("<|observation|>")
+    turn = "reasoning</think>calc(12*34)"
+    ids = tok.apply_chat_template([{"role": "user", "content": "12*34="}], add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    ids += tok.encode(turn, add_special_tokens=False) + [obs]  # the model's turn, ended by its stop token
+    delta = render_messages(tok, [{"role": "observation", "content": "408"}], last=obs)
+    assert tok.decode(delta) == "\n408<|assistant|>\n<think>"  # no second <|observation|>
+    assert render_messages(tok, [{"role": "observation", "content": "408"}], last=5)[0] == obs  # ended otherwise
+    full = tok.decode(ids + delta)
+    assert "reasoning</think>calc(12*34)<|observation|>\n408<|assistant|>\n<think>" in full
+    rerender = tok.apply_chat_template([{"role": "user", "content": "12*34="}, {"role": "assistant", "content": turn},
+                                        {"role": "observation", "content": "408"}], add_generation_prompt=True,
+                                       tokenize=False)
+    assert "reasoning" not in rerender  # what re-rendering the history would have trained on instead
+    tools = [{"type": "function", "function": {"name": "calc"}}]
+    assert render_messages(tok, [{"role": "observation", "content": "1"}], tools, last=obs) == \
+        render_messages(tok, [{"role": "observation", "content": "1"}], None, last=obs)  # tools live in the prefix
+
+
+def test_a_template_that_does_not_extend_its_prefix_is_one_line_naming_it():
+    bad = "{%- for m in messages|reverse -%}<|{{ m['role'] }}|>{{ m['content'] }}{%- endfor -%}"
+    tok = glm_like_tokenizer(bad)
+    tok.name_or_path = "my-reversed-template"
+    with pytest.raises(ValueError, match="chat template of my-reversed-template does not extend its own prefix"):
+        render_messages(tok, [{"role": "observation", "content": "1"}])
+
+
+# ----------------------------------------------------------------------------- the episode loop on a real engine
+
+
+class Scripted:
+    """Replies to every model turn with an observation of the turn's length; done after `turns` turns."""
+    tools = []
+    turns, reward, log = 3, 1.0, []
+
+    def __init__(self, example):
+        self.example, self.n, self.turns = example, 0, example.get("turns", self.turns)
+
+    def reset(self):
+        return [{"role": "user", "content": self.example["prompt"]}]
+
+    def step(self, text):
+        self.n += 1
+        done = self.n >= self.turns
+        return [] if done else [{"role": "observation", "content": f"got {len(text)}" * 3}], self.reward, done, \
+            {"tool_calls": int(not done)}
+
+    def close(self):
+        Scripted.log.append(self.example["prompt"])
+
+
+def tool_tokenizer():
+    return make_tiny_tokenizer(tools=True)
+
+
+def tiny_engine(tok, seed=0):
+    torch.manual_seed(seed)
+    model = GLM(GLMConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                          num_kv_heads=2, head_dim=8, max_position_embeddings=256))
+    return TorchEngine(model, max_batch=4)
+
+
+def stops(tok):
+    """A random model rarely samples eos: a quarter of the vocabulary also ends a turn, so turns end early
+    and by a stop token, as a trained model's do."""
+    return tuple(sorted({tok.eos_token_id, *env.turn_ends(tok), *range(7, len(tok), 4)}))
+
+
+def play(env_cls, examples, limits, tok=None, engine=None, sampling=None, **kw):
+    tok = tok or tool_tokenizer()
+    engine = engine or tiny_engine(tok)
+    sampling = sampling or SamplingParams(temperature=1.0, stop_token_ids=stops(tok))
+    eps = [Episode(ex, i) for i, ex in enumerate(examples)]
+    order = [i for i, _ in run_episodes(engine, eps, env_cls, tok, sampling, limits, seed=3, **kw)]
+    return eps, order, engine, tok
+
+
+def test_trajectory_ids_are_the_sampled_ids_plus_the_rendered_env_ids():
+    """Exact token accounting: the response is each turn's sampled ids (with their logprobs), then the ids
+    render_messages gives for the env's answer, in order; the spans mark exactly the model's tokens; every
+    env is closed."""
+    Scripted.log = []
+    limits = Limits(max_new_tokens=12, max_total_tokens=200, max_turns=5)
+    eps, order, engine, tok = play(Scripted, [{"prompt": "a"}, {"prompt": "bb"}, {"prompt": "c"}], limits)
+    assert sorted(order) == [0, 1, 2] and sorted(Scripted.log) == ["a", "bb", "c"]
+    assert max(ep.turns for ep in eps) == 3  # multi-turn, ended by the env
+    for ep in eps:
+        assert ep.finish in ("stop", "length") and ep.failure is None and ep.turns <= 3
+        rebuilt, at, texts = [], 0, []
+        for k, (start, n) in enumerate(ep.spans):
+            model_ids = ep.response[start:start + n]
+            assert start == len(rebuilt) and len(model_ids) == n
+            rebuilt += model_ids
+            texts.append(tok.decode(model_ids, skip_special_tokens=True))
+            if k < len(ep.spans) - 1:  # the env's answer to this turn, rendered as run_episodes does
+                msgs = [{"role": "observation", "content": f"got {len(texts[-1])}" * 3}]
+                rebuilt += render_messages(tok, msgs, None, last=model_ids[-1])
+        assert rebuilt == ep.response
+        assert len(ep.logprobs) == sum(n for _, n in ep.spans) == ep.model_tokens
+    # The model tokens are the engine's own: a second engine continuing the same context samples the same
+    ep = eps[0]
+    start, n = ep.spans[-1]
+    again = engine.generate([ep.prompt + ep.response[:start]], SamplingParams(temperature=1.0, max_new_tokens=n,
+                            stop_token_ids=stops(tok)), seed=3 + (len(ep.spans) - 1) * env.TURN_SEED)
+    assert again[0].token_ids == ep.response[start:start + n]
+
+
+def test_limits_end_trajectories_with_finish_length():
+    Scripted.turns = 10
+    try:
+        eps, _, _, _ = play(Scripted, [{"prompt": "a"}] * 3, Limits(max_new_tokens=12, max_total_tokens=200, max_turns=2))
+        assert all(ep.turns <= 2 and ep.finish == "length" for ep in eps)
+        eps, _, _, _ = play(Scripted, [{"prompt": "a"}] * 3, Limits(max_new_tokens=12, max_total_tokens=30, max_turns=9))
+        assert all(len(ep.response) <= 30 and ep.finish == "length" for ep in eps)
+    finally:
+        Scripted.turns = 3
+
+
+def test_env_output_is_capped_before_rendering():
+    class Loud(Scripted):
+        def step(self, text):
+            return [{"role": "observation", "content": "x" * 1000}], 0.0, False
+
+    eps, _, _, tok = play(Loud, [{"prompt": "a"}], Limits(max_new_tokens=12, max_total_tokens=60, max_turns=2,
+                                                          max_env_chars=7))
+    start, n = eps[0].spans[0]
+    env_ids = eps[0].response[start + n:eps[0].spans[1][0]]
+    assert tok.decode(env_ids).count("x") == 7
+
+
+class Flaky(Scripted):
+    """Fails in the ways an env can: raises in step, hangs, returns garbage, raises in __init__."""
+    def __init__(self, example):
+        if example["prompt"] == "init":
+            raise RuntimeError("cannot start")
+        super().__init__(example)
+
+    def step(self, text):
+        how = self.example["prompt"]
+        if how == "raise":
+            raise KeyError("tool crashed")
+        if how == "hang":
+            time.sleep(5)
+        if how == "garbage":
+            return "not a tuple"
+        if how == "void":
+            return [], 0.5, True, {"void": True}
+        return super().step(text)
+
+
+def test_failures_are_data_and_every_env_is_closed():
+    Scripted.log = []
+    prompts = ["ok", "raise", "hang", "garbage", "init", "void"]
+    eps, order, _, _ = play(Flaky, [{"prompt": p} for p in prompts],
+                            Limits(max_new_tokens=12, max_total_tokens=100, max_turns=5, timeout_s=0.5))
+    by = dict(zip(prompts, eps))
+    assert sorted(order) == list(range(6))
+    assert by["ok"].failure is None and by["ok"].finish in ("stop", "length")
+    assert "Flaky.step raised KeyError: 'tool crashed'" == by["raise"].failure
+    assert "Flaky.step raised TimeoutError" in by["hang"].failure and "0.5 s" in by["hang"].failure
+    assert "Flaky.step raised TypeError" in by["garbage"].failure
+    assert by["init"].failure == "Flaky.__init__ raised RuntimeError: cannot start"
+    assert by["void"].failure is None and by["void"].finish == "void" and by["void"].reward == 0.5
+    assert sorted(Scripted.log) == ["garbage", "hang", "ok", "raise", "void"]  # every env made was closed
+
+
+def test_cancelled_episodes_are_closed():
+    """Closing the loop early (dynamic sampling has what it needs, or the generator stops) closes the envs
+    of the episodes still running."""
+    Scripted.log, Scripted.turns = [], 4
+    try:
+        tok = tool_tokenizer()
+        eps = [Episode({"prompt": str(i), "turns": i + 1}, i) for i in range(4)]  # the first ends after one turn
+        runs = run_episodes(tiny_engine(tok), eps, Scripted, tok, SamplingParams(temperature=1.0, stop_token_ids=stops(tok)),
+                            Limits(max_new_tokens=12, max_total_tokens=100, max_turns=4), seed=0)
+        next(runs)
+        runs.close()
+        assert sorted(Scripted.log) == ["0", "1", "2", "3"]
+        assert sum(ep.finish == "cancelled" for ep in eps) == 3
+    finally:
+        Scripted.turns = 3
+
+
+def test_calculator_env_and_expression_evaluator():
+    calc = env.Calculator({"prompt": "37*48=", "label": "1776"})
+    assert calc.reset() == [{"role": "user", "content": "37*48="}]
+    msgs, reward, done, info = calc.step("calc(37*48)")
+    assert msgs == [{"role": "observation", "content": "1776"}] and not done and info["tool_calls"] == 1
+    assert calc.step("\\boxed{1776}") == ([], 1.0, True)
+    assert calc.step("hmm")[3] == {"void": True}
+    no_tool = env.Calculator({"prompt": "37*48=", "label": "1776", "tools": False})
+    assert no_tool.tools == [] and no_tool.step("calc(37*48)")[0][0]["content"] == "error: no calculator"
+    for expr, want in [("2+3*4", "14"), ("(2+3)*4", "20"), ("7/2", "3.5"), ("8/2", "4"), ("-3*-3", "9"),
+                       ("1/0", "error: division by zero"), ("2**9", "error: bad expression"), ("(1", "error: bad expression")]:
+        assert env.calculate(expr) == want, expr
+    assert env.calculate("9" * 12 + "*" + "9" * 12 + "*" + "9" * 12) == "error: bad expression"  # no huge numbers
+
+
+def test_calculator_traces_render_as_rl_does():
+    """A supervised trace goes through the same rendering as an RL episode: the model's turns end with
+    <|observation|> while the env goes on, then eos; the env's answer follows it without repeating it."""
+    tok = tool_tokenizer()
+    ex = {"prompt": "37*48=", "label": "1776"}
+    ep, short = env.traces(env.Calculator, [ex, ex], [["calc(37*48)", "\\boxed{1776}"], ["calc(37*48)"]], tok,
+                           Limits(16, 40, 3), stop_id=tok.convert_tokens_to_ids("<|observation|>"), eos_id=tok.eos_token_id)
+    assert short.failure == "Calculator.step raised ValueError: the env goes on after the trace's 1 turns"
+    assert ep.failure is None and ep.finish == "stop" and ep.reward == 1.0
+    assert tok.decode(ep.prompt) == "<|system|>calc<|user|>37*48=<|assistant|>"
+    assert tok.decode(ep.response) == "calc(37*48)<|observation|>1776<|assistant|>\\boxed{1776}<eos>"
+    (s0, n0), (s1, n1) = ep.spans
+    assert tok.decode(ep.response[s0:s0 + n0]) == "calc(37*48)<|observation|>"
+    assert tok.decode(ep.response[s1:s1 + n1]) == "\\boxed{1776}<eos>"
