@@ -141,9 +141,9 @@ def example_rows(cfg: Config, tokenizer, examples, env_cls):
     stop = env.handoff_token(tokenizer) if any(len(t) > 1 for t in turns) else None
     eps = env.traces(env_cls, examples, turns, tokenizer, env.limits_of(cfg.rollout, cfg.rollout.max_new_tokens), stop,
                      tokenizer.eos_token_id, cfg.rollout.chat_template)
-    for ep in (ep for ep in eps if ep.failure is not None):
-        raise ValueError(f"data.env: the supervised trace of example {ep.example!r:.80} failed: {ep.failure}")
-    return [(ep.prompt + ep.response, [(len(ep.prompt) + a, n) for a, n in ep.spans]) for ep in eps]
+    for ep in (ep for ep in eps if ep.failure is not None):  # a flaky env: skipped now, tried again when drawn again
+        print(f"[train] the supervised trace of example {ep.example!r:.60} failed, skipped: {ep.failure}", flush=True)
+    return [None if ep.failure else (ep.prompt + ep.response, [(len(ep.prompt) + a, n) for a, n in ep.spans]) for ep in eps]
 
 
 def train_warmup(stage, cfg: Config, model, tokenizer, examples, env_cls, resume, log, preempt):
@@ -156,8 +156,7 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, env_cls, resume
     for name, p in model.named_parameters():
         p.requires_grad_(not indexer_only or ".indexer." in name)
     learner = parallel_learner(model, device, cfg.train.parallel)  # FSDP swaps in sharded parameters
-    lr = cfg.optim.dsa_warmup_lr if indexer_only else cfg.optim.sft_lr
-    wd = cfg.optim.weight_decay if indexer_only else cfg.optim.sft_weight_decay
+    lr, wd = (cfg.optim.dsa_warmup_lr, cfg.optim.weight_decay) if indexer_only else (cfg.optim.sft_lr, cfg.optim.sft_weight_decay)
     optimizer = adamw(cfg, model, lr, wd)
     stream, tokens = data.PromptStream(examples, seed=cfg.seed), {}
     step, skips = resumed(resume, stage, "step", 0), Skips(cfg.optim.max_skipped_steps, *resumed(resume, stage, "skipped", (0, 0)))
@@ -170,8 +169,9 @@ def train_warmup(stage, cfg: Config, model, tokenizer, examples, env_cls, resume
         t0 = time.perf_counter()
         batch = stream.next(cfg.train.warmup_batch_size)
         new = list({id(ex): ex for ex in batch if id(ex) not in tokens}.values())  # each example's tokens once
-        tokens |= dict(zip(map(id, new), example_rows(cfg, tokenizer, new, env_cls)))  # (a trace plays its env)
-        rows = [tokens[id(ex)] for ex in batch]
+        tokens |= {id(ex): r for ex, r in zip(new, example_rows(cfg, tokenizer, new, env_cls)) if r}  # (a trace plays its env)
+        if not (rows := [tokens[id(ex)] for ex in batch if id(ex) in tokens]):
+            raise ValueError("data.env: every supervised trace of a batch failed (the lines above say why)")
         n_answer = sum(n for row in rows for _, n in data.scored_spans(*row))  # the LM loss: a mean over the model's tokens
         n_all = sum(len(s) for s, _ in rows)  # the indexer KL is a mean over all query tokens
         mine = data.split_across_ranks([len(s) for s, _ in rows], world())[rank()]  # this rank's share

@@ -136,7 +136,7 @@ def test_every_key_is_read():
     """Every key is read somewhere outside config.py's own definitions (the stages, the engine, the
     objective, the plumbing)."""
     src = "".join(open(os.path.join(ROOT, n)).read() for n in
-                  ("train.py", "grpo.py", "data.py", "engine.py", "rollout.py", "parallel.py", "checkpoint.py"))
+                  ("train.py", "grpo.py", "data.py", "engine.py", "env.py", "rollout.py", "parallel.py", "checkpoint.py"))
     src += "".join(line for line in open(os.path.join(ROOT, "config.py")) if not re.match(r"\s+\w+: [\w |]+ = ", line))
     for key in config.config_keys():
         assert re.search(rf"\.{key.rpartition('.')[2]}\b", src), f"nothing reads {key}"
