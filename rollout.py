@@ -360,5 +360,5 @@ def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, l
     out = eval_metrics(rewards, ks=tuple(k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n))
     if not isinstance(env_cls, functools.partial):  # a real env (not the reward hook): how it was played
         out |= {"turns": sum(ep.turns for ep in eps) / len(eps), "tool_call_rate": sum(ep.tool_calls > 0 for ep in eps) / len(eps),
-                "env_failures": sum(ep.failure is not None for ep in eps)}
+                "env_failure_rate": sum(ep.failure is not None for ep in eps) / len(eps)}  # rates: ranks average them
     return out

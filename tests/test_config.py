@@ -80,6 +80,13 @@ def test_unknown_key_names_key_and_suggestion(tmp_path):
     ("model.init.num_kv_heads=3", "num_heads (4) must be a multiple of num_kv_heads (3)"),
     ("model.dsa.pattern=SF", "dsa.pattern must be a string of F/S starting with F"),
     ("model.dsa.top_k=8", "unknown dsa key(s) ['top_k']"),
+    ("rollout.truncated=drop", "rollout.truncated must be keep or zero or mask, got 'drop'"),
+    ("grpo.surrogate=ppo", "grpo.surrogate must be clip or dis, got 'ppo'"),
+    ("grpo.surrogate=dis", "grpo.surrogate: dis is its own off-policy correction: set grpo.icepop_beta: null and "
+                           "grpo.tis_cap: null (they are 2.0 and None)"),
+    ("rollout.max_total_tokens=60", "(92 tokens) must fit model.init.max_position_embeddings (64)"),
+    ("rollout.max_failure_fraction=1.5", "rollout.max_failure_fraction must be in [0, 1], got 1.5"),
+    ("rollout.env_timeout_s=0", "rollout.env_timeout_s must be a finite number > 0"),
 ])
 def test_bad_values_fail_with_the_key(override, message):
     with pytest.raises(ConfigError) as e:

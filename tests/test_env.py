@@ -262,3 +262,14 @@ def test_calculator_traces_render_as_rl_does():
     (s0, n0), (s1, n1) = ep.spans
     assert tok.decode(ep.response[s0:s0 + n0]) == "calc(37*48)<|observation|>"
     assert tok.decode(ep.response[s1:s1 + n1]) == "\\boxed{1776}<eos>"
+
+
+def test_a_bad_env_spec_is_one_line():
+    with pytest.raises(ValueError, match=r"^data.env: 'nosuch_module:Env': no module named 'nosuch_module'"):
+        env.load_env("nosuch_module:Env")
+    with pytest.raises(ValueError, match=r"^data.env: 'env:calculate' must be a class with reset\(\) and step\(text\)"):
+        env.load_env("env:calculate")
+    with pytest.raises(ValueError, match=r"^data.env: 'env:Calculatr': module env \(.*\) has no class 'Calculatr'; "
+                                         r"did you mean 'Calculator'\?"):
+        env.load_env("env:Calculatr")
+    assert env.load_env("env:Calculator") is env.Calculator
