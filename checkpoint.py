@@ -165,7 +165,7 @@ def starting_point(cfg, run_dir) -> str:
     if cfg.model.path is not None:
         return cfg.model.path
     out = os.path.join(run_dir, "init_model")
-    tokenizer = cfg.model.tokenizer or ("tiny-tools" if cfg.data.train.startswith("synthetic:multiply") else None)
+    tokenizer = cfg.model.tokenizer or ("tiny-tools" if data.uses_tools(cfg.data.train) else None)
     made_from = {"init": cfg.model.init, "dsa": cfg.model.dsa, "tokenizer": tokenizer, "seed": cfg.seed}
     stamp = os.path.join(out, "made_from.json")
     if os.path.isdir(out):

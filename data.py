@@ -61,7 +61,8 @@ def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
                                 f'{{"{prompt_key}": ..., "{label_key}": ...}} object per line)')
     # (key in the file, normalised field it is copied to, parameter naming it); a copy must never
     # overwrite another field of the object.
-    copies = [(k, field, param) for k, field, param in [(prompt_key, "prompt", "prompt_key"), (label_key, "label", "label_key")]
+    copies = [(k, field, param) for k, field, param in [(prompt_key, "prompt", "prompt_key"),
+                                                        (label_key, "label", "label_key")]
               if k is not None]  # None (with data.env): the env reads what it needs
     if response_key is not None:
         copies.append((response_key, "solution", "response_key"))
@@ -219,8 +220,12 @@ def render_prompt(tokenizer, prompt, chat_template=True, tools=None):
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
                          "set rollout.chat_template: false to feed raw prompt text")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **({"tools": tools} if tools else {}))
-    # transformers 5 returns a BatchEncoding here, 4.x a plain list; we want list[int] either way.
+    return chat_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  **({"tools": tools} if tools else {})))
+
+
+def chat_ids(ids):
+    """apply_chat_template's ids as list[int]: transformers 5 returns a BatchEncoding, 4.x a plain list."""
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     if hasattr(ids, "tolist"):
@@ -566,8 +571,13 @@ TINY_TOOL_TEMPLATE = (
 
 
 def synthetic_tokenizer(task):
-    """The tokenizer of a synthetic task's tiny model (model.init with model.tokenizer null)."""
-    return make_tiny_tokenizer(tools=task.startswith("synthetic:multiply"))
+    """The tokenizer of a synthetic task's tiny model (model.init with model.tokenizer null): the tool tasks'
+    has <|observation|>."""
+    return make_tiny_tokenizer(tools=uses_tools(task))
+
+
+def uses_tools(task):
+    return task.startswith("synthetic:multiply")
 
 
 def make_tiny_tokenizer(save_dir=None, tools=False):

@@ -47,7 +47,6 @@ trajectory (Limits, Episode, the guarded calls, start, model and env turns, clos
 """
 import ast
 import contextlib
-import functools
 import json
 import operator
 import queue
@@ -56,7 +55,7 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from data import load_object, math_reward, render_prompt
+from data import chat_ids, load_object, math_reward, render_prompt
 from engine import SamplingParams
 
 # The chat format's tokens that end a model turn besides eos (GLM-4's generation_config lists both among
@@ -82,32 +81,25 @@ def load_env(spec):
 
 class SingleTurn:
     """The reward hook as an env: the prompt as the user's message, one model turn, graded, done. What
-    train.py runs when data.env is not set; its prompt is the example's (data.render_prompt)."""
+    train.py runs when data.env is not set (single_turn binds the reward); its prompt is the example's, rendered
+    by data.render_prompt as single-turn RL always rendered it."""
     tools: list = []
     trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
+    reward_fn = staticmethod(math_reward)
 
-    def __init__(self, example, reward_fn=math_reward):
-        self.example, self.reward_fn = example, reward_fn
-        self.name = getattr(reward_fn, "__name__", "reward")
+    def __init__(self, example):
+        self.example = example
 
     def reset(self):
-        return self.example["prompt"]  # a string or messages, rendered as today's single-turn prompt
+        return self.example["prompt"]  # a string or messages
 
     def step(self, text):
         return [], float(self.reward_fn(text, self.example)), True
 
 
 def single_turn(reward_fn):
-    """The env of the reward hook: SingleTurn bound to the reward function (what run_episodes gets as its
-    env class when data.env is not set)."""
-    return functools.partial(SingleTurn, reward_fn=reward_fn)
-
-
-def name_of(env_cls):
-    """How warnings name an env: its class, or the reward function a SingleTurn wraps."""
-    if isinstance(env_cls, functools.partial):
-        return name_of(env_cls.keywords.get("reward_fn", env_cls.func))
-    return getattr(env_cls, "__name__", type(env_cls).__name__)
+    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
+    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
 
 
 # ----------------------------------------------------------------------------- rendering env messages
@@ -121,17 +113,10 @@ def turn_ends(tokenizer):
 
 def handoff_token(tokenizer):
     """The token a model turn ends with to hand control to a tool (<|observation|>), for supervised traces."""
-    ends = turn_ends(tokenizer)
-    if not ends or ends[0] != tokenizer.get_vocab()[TURN_ENDS[0]]:
+    vocab = tokenizer.get_vocab()
+    if TURN_ENDS[0] not in vocab:
         raise ValueError(f"data.env: the tokenizer has no {TURN_ENDS[0]} token to end a tool-calling turn with")
-    return ends[0]
-
-
-def _ids(out):
-    """apply_chat_template's output (a list, a BatchEncoding, a tensor) as list[int]."""
-    out = out["input_ids"] if hasattr(out, "keys") else out
-    out = out.tolist() if hasattr(out, "tolist") else out
-    return [int(i) for i in (out[0] if out and isinstance(out[0], list) else out)]
+    return vocab[TURN_ENDS[0]]
 
 
 def render_messages(tokenizer, messages, tools=None, last=None):
@@ -139,8 +124,8 @@ def render_messages(tokenizer, messages, tools=None, last=None):
     turn: the render of BASE + messages minus the render of BASE. `last`: the token the model's turn
     ended with; the added ids do not repeat it (GLM's observation starts with <|observation|>)."""
     kw = {"tools": tools} if tools else {}
-    base = _ids(tokenizer.apply_chat_template(BASE, tokenize=True, **kw))
-    full = _ids(tokenizer.apply_chat_template(BASE + list(messages), tokenize=True, add_generation_prompt=True, **kw))
+    base = chat_ids(tokenizer.apply_chat_template(BASE, tokenize=True, **kw))
+    full = chat_ids(tokenizer.apply_chat_template(BASE + list(messages), tokenize=True, add_generation_prompt=True, **kw))
     if full[:len(base)] != base:
         raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', '') or 'the tokenizer'} does not "
                          "extend its own prefix (a conversation rendered with more messages does not start with its "
@@ -178,7 +163,7 @@ class Episode:
     spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of each model turn in response
     logprobs: list[float] = field(default_factory=list)  # the generator's logprob of each model token, in order
     reward: float = 0.0
-    finish: str | None = None  # "stop" (env done), "length" (a limit), "void", "cancelled"
+    finish: str | None = None  # "stop" (env done), "length" (a limit), "void", "failed", "cancelled"
     failure: str | None = None  # why the env failed: the trajectory is dropped
     error: BaseException | None = None  # ... and the exception, for its traceback
     versions: list | None = None  # [oldest, newest] weight version of its model tokens
@@ -248,7 +233,7 @@ def guarded(calls, timeout):
     out = []
     for (ep, what, _, _), task in zip(calls, tasks):
         while not task.done.wait(0.05 if task.started is None else max(0.0, task.started + timeout - time.perf_counter())):
-            if task.started is not None and time.perf_counter() >= task.started + timeout:
+            if task.started is not None and time.perf_counter() >= task.started + timeout:  # (0.05: not started yet)
                 POOL.write_off(task)
                 break
         if not task.done.is_set():
@@ -278,8 +263,8 @@ def _cap(messages, chars):
 
 def start(eps, env_cls, tokenizer, limits: Limits, chat_template=True):
     """Make each episode's env (env_cls(example)) and render its prompt (reset()). Failures mark episodes."""
-    name = name_of(env_cls)
-    if getattr(getattr(env_cls, "func", env_cls), "trusted", False):  # SingleTurn: no user code before step()
+    name = env_cls.__name__
+    if getattr(env_cls, "trusted", False):  # SingleTurn: no user code before step()
         for ep in eps:
             ep.env = env_cls(ep.example)
         openings = [(True, ep.env.reset()) for ep in eps]
@@ -307,7 +292,7 @@ def openings(env_cls, examples, tokenizer, chat_template=True, timeout=60.0):
     fails here is one ValueError line naming it and the example."""
     eps, limits = [Episode(ex, -1) for ex in examples], Limits(1, 1, 1, timeout_s=timeout)
     start(eps, env_cls, tokenizer, limits, chat_template)
-    close(eps, name_of(env_cls), limits)
+    close(eps, env_cls.__name__, limits)
     bad = next((ep for ep in eps if ep.failure is not None), None)
     if bad is not None:
         raise ValueError(f"data.env: {bad.failure} (example {json.dumps(bad.example)[:80]})")
@@ -388,7 +373,7 @@ def run_episodes(engine, episodes, env_cls, tokenizer, sampling: SamplingParams,
     arrives. Turn t's call uses seed + t * TURN_SEED (aborted completions are generated again with
     seed + 7, as before). sampling: the turn's SamplingParams (its stop ids, the chat format's turn ends
     included)."""
-    name = name_of(env_cls)
+    name = env_cls.__name__
     try:
         start(episodes, env_cls, tokenizer, limits, chat_template)
         for i, ep in enumerate(episodes):
@@ -458,7 +443,7 @@ def traces(env_cls, examples, turns, tokenizer, limits: Limits, stop_id, eos_id,
     are example k's model turns, as text; each is encoded and ends with stop_id while more follow, else
     eos_id, and the env's answers are rendered as in RL. Returns the Episodes (a failure set where the env
     failed, or went on past the script)."""
-    eps, name = [Episode(ex, k) for k, ex in enumerate(examples)], name_of(env_cls)
+    eps, name = [Episode(ex, k) for k, ex in enumerate(examples)], env_cls.__name__
     start(eps, env_cls, tokenizer, limits, chat_template)
     try:
         live, k = [ep for ep in eps if ep.finish is None], 0

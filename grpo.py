@@ -17,8 +17,8 @@ Every response token t is trained with the PPO clipped surrogate, asymmetric cli
 Asynchronous RL brings three policies. pi_gen sampled the tokens: at most max_staleness weight versions
 old (rollout.py tells how), and a different kernel stack (bf16 inference engine vs. the trainer).
 pi_prox is the learner's own policy at the start of the step (its forward's logprobs, detached: with
-one optimizer step per batch no extra pass is needed). pi_theta is the policy being optimised, equal to pi_prox in value but carrying the
-gradient. The clipped ratio is rho = pi_theta / pi_gen: the trust region is held against the policy that
+one optimizer step per batch no extra pass is needed). pi_theta is the policy being optimised, equal to
+pi_prox in value but carrying the gradient. The clipped ratio is rho = pi_theta / pi_gen: the trust region is held against the policy that
 sampled, as PPO's surrogate requires. (Decoupled PPO, as in AReaL, clips pi_theta / pi_prox and weights
 by pi_prox / pi_gen; with one step per batch that clip can never bind, since pi_theta = pi_prox, and
 nothing would stop a stale batch from pushing the policy far from its sampler.) Where the clip is not
@@ -33,8 +33,8 @@ optimizer step per batch rho equals w in value, so DIS is IcePop with the band [
 on rho and no PPO clip: l = -A rho where rho is in the band, 0 (masked, not clipped) where it is not.
 Log-ratios are clamped to +-20 before exp: one token the policies disagree on wildly must give a huge
 but finite number, never inf. Whole samples older than max_staleness versions are dropped before any of
-this (`fresh_mask`, a guard: the generator's gate already keeps them fresh), and groups whose rewards all agree have A = 0 and teach nothing (`informative`,
-dynamic sampling).
+this (`fresh_mask`, a guard: the generator's gate already keeps them fresh), and groups whose rewards
+all agree have A = 0 and teach nothing (`informative`, dynamic sampling).
 
 Shapes: B sequences (one per row, right padded), T tokens; `mask` is 1 on response tokens.
 """

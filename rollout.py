@@ -41,12 +41,11 @@ in run_dir/env_failures/; more than rollout.max_failure_fraction of a batch fail
 one line. rollout.dump_fraction of each batch's trajectories go to run_dir/rollouts/ as JSON lines.
 """
 import contextlib
-import functools
-import hashlib
 import json
 import math
 import os
 import queue
+import random
 import re
 import threading
 import time
@@ -56,7 +55,7 @@ from dataclasses import dataclass, field, replace
 import grpo
 from data import eval_metrics, math_reward
 from engine import SamplingParams
-from env import Episode, Limits, dump_record, run_episodes, single_turn
+from env import Episode, Limits, SingleTurn, dump_record, run_episodes, single_turn
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
@@ -244,8 +243,11 @@ class Generator:
                 samples.append(s)
         secs = time.perf_counter() - t0
         n_tok = sum(len(s.response_ids) for s in generated)
-        played = [ep for ep in episodes if ep.failure is None] or [None]
-        mean = lambda f: sum(f(ep) for ep in played) / len(played) if played[0] else 0.0  # noqa: E731
+        played = [ep for ep in episodes if ep.failure is None]
+
+        def mean(f):  # over the trajectories played to their end
+            return sum(map(f, played)) / max(1, len(played))
+
         metrics = {
             "rollout/reward": sum(s.reward for s in generated) / max(1, len(generated)),
             "rollout/reward_trained": sum(s.reward for s in samples) / max(1, len(samples)),
@@ -327,10 +329,10 @@ class Generator:
                                   f"(over rollout.max_failure_fraction={self.max_failures}); the first: {failures[0].failure}")
 
     def _dump(self, episodes):
-        """A sampled fraction of the batch's trajectories (the same ones on a rerun: a hash of the batch and
-        the trajectory's place picks them) as JSON lines in run_dir/rollouts/, for debugging an env."""
-        picked = [ep for k, ep in enumerate(episodes)
-                  if (hash_u32(self.seed, self.index, k) + 0.5) / 2**32 < self.dump_fraction]
+        """A sampled fraction of the batch's trajectories (the same ones on a rerun: the draws are seeded by the
+        batch) as JSON lines in run_dir/rollouts/, for debugging an env."""
+        draw = random.Random(self.seed * 1_000_003 + self.index)
+        picked = [ep for ep in episodes if draw.random() < self.dump_fraction]
         folder = os.path.join(self.run_dir, "rollouts")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"batch_{self.index:06d}" + (f"_rank{self.rank}" if self.rank else "") + ".jsonl")
@@ -338,11 +340,6 @@ class Generator:
             for ep in picked:
                 f.write(json.dumps(dump_record(ep, self.tokenizer)) + "\n")
         os.replace(path + ".tmp", path)
-
-
-def hash_u32(*xs):
-    """A 32-bit hash of a few integers, the same in every process (unlike Python's hash of a tuple)."""
-    return int.from_bytes(hashlib.blake2b(repr(xs).encode(), digest_size=4).digest(), "little")
 
 
 class TooManyFailures(RuntimeError):
@@ -358,7 +355,8 @@ def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, l
         pass
     rewards = [[ep.reward if ep.failure is None else 0.0 for ep in eps[i * n:(i + 1) * n]] for i in range(len(examples))]
     out = eval_metrics(rewards, ks=tuple(k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n))
-    if not isinstance(env_cls, functools.partial):  # a real env (not the reward hook): how it was played
-        out |= {"turns": sum(ep.turns for ep in eps) / len(eps), "tool_call_rate": sum(ep.tool_calls > 0 for ep in eps) / len(eps),
-                "env_failure_rate": sum(ep.failure is not None for ep in eps) / len(eps)}  # rates: ranks average them
+    if not issubclass(env_cls, SingleTurn):  # a real env (not the reward hook): how it was played; rates, which
+        out |= {"turns": sum(ep.turns for ep in eps) / len(eps),  # the ranks' prompt-weighted mean keeps right
+                "tool_call_rate": sum(ep.tool_calls > 0 for ep in eps) / len(eps),
+                "env_failure_rate": sum(ep.failure is not None for ep in eps) / len(eps)}
     return out

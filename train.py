@@ -332,7 +332,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
     ranks' learners take one optimizer step together on the union: the global batch."""
     r, t = cfg.rollout, cfg.train
     # A turn ends at eos, or (with an env) where the chat format hands over: <|observation|> (a tool), <|user|>
-    stop_ids = tuple(sorted(set(model.cfg.eos_token_id) | {tokenizer.eos_token_id} | set(env.turn_ends(tokenizer) if cfg.data.env else ())))
+    stop_ids = tuple(sorted({*model.cfg.eos_token_id, tokenizer.eos_token_id, *(env.turn_ends(tokenizer) if cfg.data.env else ())}))
     sampling = SamplingParams(r.temperature, max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
     for name, p in model.named_parameters():
         p.requires_grad_(".indexer." not in name)  # GLM-5 keeps the indexer frozen during RL

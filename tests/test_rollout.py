@@ -277,3 +277,27 @@ def test_truncated_responses_follow_the_setting(truncated):
     with pytest.raises(ValueError, match="rollout.truncated must be one of"):
         Generator(gen.engine, gen.stream, gen.tokenizer, prompts_per_step=1, n=1, sampling=gen.sampling, max_staleness=0,
                   dynamic_sampling=False, oversample=0, chat_template=True, max_prompt_tokens=8, truncated="drop")
+
+
+def test_void_turns_end_their_trajectory_masked_with_the_reward_kept():
+    """A turn with neither a tool call nor an answer (the env says "void") ends its trajectory, which is masked
+    out of the loss like rollout.truncated: mask, while its reward stays for its group's baseline."""
+    class Mute:
+        def __init__(self, example):
+            self.example = example
+
+        def reset(self):
+            return [{"role": "user", "content": self.example["prompt"]}]
+
+        def step(self, text):
+            return [], 0.5, True, {"void": True}
+
+    gen = make_generator(0, n=2)
+    gen.env_cls = Mute
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)
+    finally:
+        gen.stop()
+    assert batch.samples and all(s.masked and s.finish_reason == "void" and s.reward == 0.5 for s in batch.samples)
+    assert batch.metrics["rollout/void"] == 1.0 and batch.metrics["rollout/env_failures"] == 0
