@@ -21,6 +21,7 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import asdict
 
 import numpy as np
 import torch
@@ -29,9 +30,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoTokenizer
 
 import data
+import hub
 from config import ConfigError
 from model import GLM, GLMConfig
-from parallel import all_gather, barrier, parallel_learner, rank, unwrap
+from parallel import all_gather, barrier, load_learner, rank, unwrap
 from rollout import TooManyFailures
 
 STAGES = ("dsa_warmup", "sft", "rl")
@@ -82,6 +84,12 @@ def rng_state():
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
+def seed_all(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def set_rng_state(rng):
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
@@ -122,14 +130,16 @@ def save_full(model, tokenizer, path, state=None):
 
 def reference_model(cfg, model, tokenizer, resume):
     """The frozen KL reference: the policy as RL started, saved once to run_dir/reference (so that a resumed
-    run keeps it) and loaded on the learner device; sharded like the policy under FSDP."""
+    run keeps it) and loaded on the learner device like the policy (FSDP: each rank reads only its shards).
+    bf16 on a GPU: the learner's forward computes in bf16 there (autocast, FSDP's bf16 gathers), so fp32
+    reference weights would be rounded to the same bf16 at every use and only cost memory; fp32 on the CPU."""
     ref_dir, device = os.path.join(cfg.run_dir, "reference"), model.lm_head.weight.device
     if not os.path.isdir(ref_dir):
         if resume is not None and resume["stage"] == "rl" and resume["step"] > 0:
             raise ConfigError(f"{ref_dir} is missing; the KL reference of this run is lost")
         save_full(model, tokenizer, ref_dir)
-    ref = GLM.from_pretrained(ref_dir, dtype=torch.float32, device=device).eval().requires_grad_(False)
-    return parallel_learner(ref, device, "fsdp") if cfg.train.parallel == "fsdp" else ref  # DDP: a replica
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return load_learner(ref_dir, None, device, cfg.train.parallel, dtype).eval().requires_grad_(False)
 
 
 def checkpoints(run_dir):
@@ -163,7 +173,7 @@ def starting_point(cfg, run_dir) -> str:
     init_model/ made from other settings (a failed start, then a retry) is rebuilt, never reused.
     (config.check_paths has made sure that model.path and model.tokenizer hold what they must.)"""
     if cfg.model.path is not None:
-        return cfg.model.path
+        return hub.model_dir(cfg.model.path)  # a Hub id: its snapshot in the cache (fetched at start-up)
     out = os.path.join(run_dir, "init_model")
     tokenizer = cfg.model.tokenizer or ("tiny-tools" if data.uses_tools(cfg.data.train) else None)
     made_from = {"init": cfg.model.init, "dsa": cfg.model.dsa, "tokenizer": tokenizer, "seed": cfg.seed}
@@ -176,7 +186,8 @@ def starting_point(cfg, run_dir) -> str:
         except (OSError, json.JSONDecodeError):
             pass
         print(f"[train] {out} was made from other settings: rebuilding it", flush=True)
-    tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.synthetic_tokenizer(cfg.data.train)
+    tok = (AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer")) if cfg.model.tokenizer
+           else data.synthetic_tokenizer(cfg.data.train))
     glm_cfg = GLMConfig(**cfg.model.init, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                         eos_token_id=[tok.eos_token_id], dsa=cfg.model.dsa)
     torch.manual_seed(cfg.seed)
@@ -185,13 +196,19 @@ def starting_point(cfg, run_dir) -> str:
 
 
 class MetricsLog:
-    """One JSON object per line in run_dir/metrics.jsonl (and TensorBoard when it is installed).
-    A fresh run starts a new file; on resume, lines past the checkpoint are cut first: those steps are
-    about to be redone."""
+    """One JSON object per line in run_dir/metrics.jsonl (and TensorBoard when it is installed, and a Weights &
+    Biases run with train.wandb_project). A fresh run starts a new file; on resume, lines past the checkpoint
+    are cut first: those steps are about to be redone. metrics.jsonl is the record; the others are views."""
 
     def __init__(self, cfg, resume=None):
         self.cfg, self.path, self.t0 = cfg, os.path.join(cfg.run_dir, "metrics.jsonl"), time.time()
-        self.tb, self.on = None, rank() == 0  # rank 0 writes the (already combined) metrics
+        self.tb, self.wandb, self.on = None, None, rank() == 0  # rank 0 writes the (already combined) metrics
+        if cfg.train.wandb_project is not None:  # checked on every rank: all stop with the same line, before training
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise ConfigError('train.wandb_project is set but wandb is not installed: '
+                                  'pip install -e ".[wandb]"') from None
         if not self.on:
             return
         keep = []
@@ -212,6 +229,36 @@ class MetricsLog:
             self.tb = SummaryWriter(cfg.run_dir, purge_step=resume["global_step"] + 1 if resume else None)
         except ImportError:
             pass
+        if cfg.train.wandb_project is not None:
+            self._start_wandb(resume)
+
+    def _start_wandb(self, resume):
+        """One wandb run per training run: run_dir/wandb_run.json keeps its id, so that --resume continues the
+        same run, and the last step sent to it. wandb refuses a step at or below one it already has, so the
+        steps a resume redoes are not sent again: the dashboard keeps their first values, while metrics.jsonl
+        has the redone ones. A fresh start (like its new metrics.jsonl) or another project is a new wandb run."""
+        import wandb
+        project, state = self.cfg.train.wandb_project, None
+        self.wandb_file = os.path.join(self.cfg.run_dir, "wandb_run.json")
+        if resume is not None and os.path.exists(self.wandb_file):
+            with open(self.wandb_file) as f:
+                state = json.load(f)
+            if state["project"] != project:
+                state = None
+        try:  # WANDB_MODE and the rest of wandb's environment apply (offline: no network, `wandb sync` uploads later)
+            self.wandb = wandb.init(project=project, id=state["id"] if state else None, resume="allow",
+                                    dir=self.cfg.run_dir, config=asdict(self.cfg),
+                                    name=os.path.basename(os.path.normpath(self.cfg.run_dir)))
+        except wandb.errors.Error as e:  # e.g. not logged in: one line, before any training
+            raise ConfigError(f"wandb: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        self.wandb_state = state or {"project": project, "id": self.wandb.id, "last_step": -1}
+        self.wandb_floor = self.wandb_state["last_step"]  # sent before this resume: not again
+        self._save_wandb_state()  # now: a kill before the first row still resumes this run
+
+    def _save_wandb_state(self):
+        with open(self.wandb_file + ".tmp", "w") as f:
+            json.dump(self.wandb_state, f)
+        os.replace(self.wandb_file + ".tmp", self.wandb_file)
 
     def write(self, stage, step, metrics):
         if not self.on:
@@ -220,10 +267,27 @@ class MetricsLog:
         row = {"stage": stage, "step": step, "global_step": gs, "time/elapsed_s": time.time() - self.t0} | metrics
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "global_step")}
         if self.tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k not in ("step", "global_step"):
-                    self.tb.add_scalar(k, v, gs)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, gs)
+        # Steps above the floor only. In one session a step may come twice (a stage's last step and RL step 0 share
+        # a global step): wandb merges the two rows into one.
+        if self.wandb is not None and gs > self.wandb_floor:
+            self.wandb.log(scalars, step=gs)
+            if gs > self.wandb_state["last_step"]:
+                self.wandb_state["last_step"] = gs
+                self._save_wandb_state()
+
+    def finish(self):
+        """The end of training: the wandb run is marked finished (left open, wandb would end it at exit, by the
+        exit code) and TensorBoard's events are flushed. Every rank may call it."""
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
 
 
 class Preemption:

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 import data
 import grpo
+import hub
 from grpo import GRPOConfig
 from memory import memory_plan
 from model import GLMConfig
@@ -33,23 +34,38 @@ LOGIT_KEEP_BYTES = 64 * 2**20
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a Hugging Face checkpoint directory (Glm4ForCausalLM layout, local)
+    # A Hugging Face checkpoint (Glm4ForCausalLM layout): a local directory, or a Hub id (owner/name[@revision]) that
+    # hub.py fetches into the Hub cache at start-up; the revision it resolved is written back here (run_dir/config.yaml)
+    path: str | None = None
     init: dict | None = None  # or: model.GLMConfig fields of a fresh random model (vocab, eos, pad: the tokenizer's)
     dsa: dict | None = None  # dsa.DSAConfig fields (topk, heads, head_dim, rope_dim, pattern); null: the checkpoint's own
-    tokenizer: str | None = None  # a tokenizer directory; null: the checkpoint's (with init: the synthetic task's)
+    tokenizer: str | None = None  # a tokenizer directory or Hub id; null: the checkpoint's (with init: the synthetic task's)
     gradient_checkpointing: bool = False  # recompute each block in backward: less learner memory, ~1/3 more compute
     dsa_kernels: bool = True  # on CUDA, DSA and the engine's sampler run dsa_triton.py's kernels (false: PyTorch)
 
 
 @dataclass
 class DataConfig:
-    # A JSONL prompt file, or a synthetic task's train split (data.SYNTHETIC: `synthetic`, the arithmetic task;
-    # `synthetic:multiply`, two-digit products for the calculator env; `synthetic:multiply-no-tool`)
+    # A prompt file, JSONL or Parquet (.parquet, with pyarrow), or a synthetic task's train split (data.SYNTHETIC:
+    # `synthetic`, the arithmetic task; `synthetic:multiply`, two-digit products for the calculator env;
+    # `synthetic:multiply-no-tool`)
     train: str = "synthetic"
-    eval: str | dict = "synthetic"  # held-out prompts: one file or task (named by its stem), or several as {name: file}
-    prompt_key: str = "prompt"  # JSONL key of the prompt: a string or a list of chat messages
-    label_key: str = "label"  # JSONL key of the reference answer the reward grades against
-    response_key: str = "solution"  # JSONL key of a reference response, for the supervised stage (sft_steps > 0)
+    # Held-out prompts: one file or task (named by its stem), or several as {name: file}; a set whose file names
+    # its fields differently (AIME sets: problem, answer) is {name: {path: file, prompt_key: ..., label_key: ...}}
+    eval: str | dict = "synthetic"
+    # The keys below name a field of each row, or a path into nested objects (`reward_model.ground_truth`): a
+    # top-level key of exactly that name wins, else each dot goes one level down
+    prompt_key: str = "prompt"  # key of the prompt: a string or a list of chat messages
+    label_key: str = "label"  # key of the reference answer the reward grades against
+    response_key: str = "solution"  # key of a reference response, for the supervised stage (sft_steps > 0)
+    # Drop rows whose prompt repeats an earlier row's, keeping the first, in data.train and every eval set (a repeated
+    # eval prompt would count twice): DAPO-Math-17k's original release has ~1.79M rows for its 17,917 prompts. One
+    # line says how many were dropped, and how many of those carried another label than the row kept
+    dedup: bool = False
+    # data:math_reward also takes DAPO's final "Answer: ..." line as the answer (its prompts ask for one): of that
+    # line and the last \boxed{}, whichever comes later. For the built-in grader only (an error with another
+    # data.reward or with data.env), which load_reward binds it to
+    answer_line: bool = False
     reward: str = "data:math_reward"  # module:function called as fn(response_text, example) -> float
     # module:Class of a multi-turn environment (env.py's contract, e.g. env:Calculator); its reward replaces
     # data.reward. null: one turn graded by data.reward
@@ -138,6 +154,9 @@ class TrainConfig:
     eval_greedy: bool = False  # also report greedy accuracy (eval/<set>/greedy_accuracy) beside the sampled one
     save_every: int = 50  # checkpoint every this many steps of each stage (and at each stage's end)
     keep_checkpoints: int = 2  # older checkpoints are deleted
+    # Also log every metric live to this Weights & Biases project (pip install -e ".[wandb]"; WANDB_MODE=offline
+    # works without a network, `wandb sync` uploads later); the run is named after run_dir. null: no dashboard
+    wandb_project: str | None = None
     pairs: int = 1  # generator/learner GPU pairs = processes that `python train.py` starts on this machine
     parallel: str = "fsdp"  # how the learners share the work: fsdp (sharded weights, grads, AdamW) or ddp (replicas)
     learner_device: str | None = None  # null: cuda:r+G for process r of G (cuda:0 with one GPU), cpu without GPUs
@@ -170,8 +189,10 @@ REMOVED = {
 
 # What `--resume` may change: when and how often things happen, how much memory they take, and where
 # they run. Everything else would make the resumed run a different run than the one it continues.
+# train.wandb_project only says where metrics are shown too: a run that had none gets a dashboard from the
+# resumed step on, and another project starts a new wandb run there (checkpoint.MetricsLog).
 SAFE_ON_RESUME = {
-    "run_dir", "train.rl_steps", "train.eval_every", "train.eval_n", "train.eval_max_new_tokens",
+    "run_dir", "train.rl_steps", "train.eval_every", "train.eval_n", "train.eval_max_new_tokens", "train.wandb_project",
     "train.eval_temperature", "train.eval_greedy", "train.save_every", "train.keep_checkpoints",
     "train.learner_device", "train.generator_device", "data.eval", "data.eval_size", "rollout.max_batch",
     "rollout.kv_cache_tokens", "rollout.cuda_graphs", "rollout.dump_fraction",
@@ -380,9 +401,25 @@ def check_config(cfg: Config, where):
         GLMConfig(**(cfg.model.init or {}), dsa=cfg.model.dsa)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{where}: model: {e}") from None
-    for name, path in eval_sets(cfg).items():
-        need(isinstance(path, str) and name and "/" not in name,
-             f"data.eval must be a file or a mapping of set names to files, got {cfg.data.eval!r}")
+    source_keys, sets = set(data.SOURCE_KEYS), cfg.data.eval
+    need(not (isinstance(sets, dict) and "path" in sets and source_keys & set(sets) - {"path"}),  # not set names
+         f"data.eval: a set with its own keys is written {{<name>: {{path: file, prompt_key: ..., label_key: ...}}}}, "
+         f"got {sets!r}")
+    for name, spec in eval_sets(cfg).items():
+        need(isinstance(spec, (str, dict)) and isinstance(name, str) and name and "/" not in name,
+             f"data.eval must be a file or a mapping of set names to files (or to {{path: file, prompt_key: ..., "
+             f"label_key: ...}}), got {cfg.data.eval!r}")
+        if isinstance(spec, dict):  # a set with its own keys
+            for key, value in spec.items():
+                if key not in source_keys:
+                    raise _unknown(where, f"data.eval.{name}.{key}", [f"data.eval.{name}.{k}" for k in source_keys])
+                need(isinstance(value, str) and value,
+                     f"data.eval.{name}.{key} must be a non-empty string, got {value!r}")
+            need("path" in spec, f"data.eval.{name} needs a path (the set's file)")
+    need(not cfg.data.answer_line or (cfg.data.reward == "data:math_reward" and cfg.data.env is None),
+         "data.answer_line is read by the built-in grader only (data.reward: data:math_reward, no data.env), but "
+         + (f"data.env is {cfg.data.env!r}: the env grades" if cfg.data.env else f"data.reward is {cfg.data.reward!r}")
+         + ", so it would be ignored")
     need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
          f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
     need(cfg.grpo.surrogate != "dis" or (cfg.grpo.icepop_beta is None and cfg.grpo.tis_cap is None),
@@ -396,15 +433,16 @@ def check_config(cfg: Config, where):
 
 
 def check_paths(cfg: Config):
-    """The files a run reads exist (before processes start and before any weights load)."""
+    """The files a run reads exist (after hub.fetch, before processes start and before any weights load)."""
     for key, needed in (("model.path", "config.json"), ("model.tokenizer", "tokenizer_config.json")):
-        where = get(cfg, key)  # local directories only: never a silent download attempt
+        where = hub.model_dir(get(cfg, key), key)  # a Hub id: its snapshot in the local cache
         if where is not None and not os.path.isfile(os.path.join(where, needed)):
-            what = f"has no {needed}" if os.path.isdir(where) else "is not a directory"
-            raise ConfigError(f"{key}: {where} {what} (download the model there first)")
-    for key, path in [("data.train", cfg.data.train)] + [(f"data.eval ({n})", p) for n, p in eval_sets(cfg).items()]:
-        if path not in data.SYNTHETIC and not os.path.isfile(path):
-            raise ConfigError(f"{key}: {path}: no such file (expected a JSONL prompt file or one of {data.SYNTHETIC})")
+            what = f"has no {needed}" if os.path.isdir(where) else "is neither a directory nor a Hub id (owner/name)"
+            raise ConfigError(f"{key}: {get(cfg, key)} {what}")
+    for key, path in hub.sources(cfg).items():
+        if path not in data.SYNTHETIC and not hub.data_id(path) and not os.path.isfile(path):
+            raise ConfigError(f"{key}: {path}: no such file (expected a JSONL or Parquet file, a Hub dataset's file or "
+                              f"split (owner/name/file.jsonl, owner/name:train), or one of {data.SYNTHETIC})")
 
 
 def response_budget(cfg: Config, eval=None) -> int:
@@ -417,7 +455,9 @@ def response_budget(cfg: Config, eval=None) -> int:
 
 
 def eval_sets(cfg: Config) -> dict:
-    """{set name: file or "synthetic"}: data.eval as a mapping, or one file named by its stem."""
+    """{set name: spec}: data.eval as a mapping, or one file named by its stem. A spec is a file (or "synthetic"),
+    or a mapping {path: file, prompt_key: ..., label_key: ...} of a set with its own keys (data.spec_path: its
+    file; data.load_examples reads either)."""
     if isinstance(cfg.data.eval, dict):
         return dict(cfg.data.eval)
     return {os.path.splitext(os.path.basename(cfg.data.eval))[0]: cfg.data.eval}
@@ -426,7 +466,7 @@ def eval_sets(cfg: Config) -> dict:
 # ----------------------------------------------------------------------------- the memory plan
 
 # The architecture of the recipe's checkpoint (its published config.json), so that --dry-run can plan
-# memory before the 18 GB download. A downloaded model.path always wins over this table.
+# memory before the 18 GB download. A downloaded model.path (or a cached Hub snapshot) always wins over this table.
 PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 13696,
                                 "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 2,
                                 "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
@@ -438,39 +478,47 @@ PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "inte
 def architecture(cfg: Config) -> GLMConfig:
     """The policy's GLMConfig without loading any weights."""
     if cfg.model.init is not None:
-        tok = AutoTokenizer.from_pretrained(cfg.model.tokenizer) if cfg.model.tokenizer else data.synthetic_tokenizer(cfg.data.train)
+        tok = (AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer")) if cfg.model.tokenizer
+               else data.synthetic_tokenizer(cfg.data.train))
         return GLMConfig(**cfg.model.init, vocab_size=len(tok), dsa=cfg.model.dsa)
-    path = os.path.join(cfg.model.path, "config.json")
-    if os.path.isfile(path):
+    spec, hub_id = cfg.model.path, hub.model_id(cfg.model.path)
+    path = hub.model_config(spec, fetch=False) if hub_id else os.path.join(spec, "config.json")
+    name = os.path.basename(os.path.normpath(hub_id[0] if hub_id else spec))
+    if not (path and os.path.isfile(path)) and name not in PUBLISHED and hub_id:
+        path = hub.model_config(spec)  # --dry-run of a Hub model we know nothing of: its config.json alone
+    if path and os.path.isfile(path):
         try:
             with open(path) as f:
                 hf = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"model.path: {path} cannot be read ({e})") from None
-    elif os.path.basename(os.path.normpath(cfg.model.path)) in PUBLISHED:
-        hf = PUBLISHED[os.path.basename(os.path.normpath(cfg.model.path))]
+    elif name in PUBLISHED:
+        hf = PUBLISHED[name]
     else:
-        raise ConfigError(f"model.path: {path} not found (download the checkpoint first)")
+        raise ConfigError(f"model.path: {spec} is neither a directory with a config.json nor a Hub id (owner/name)")
     arch = GLMConfig.from_hf(hf)
     if cfg.model.dsa is not None:
         arch.dsa = GLMConfig(**{**asdict(arch), "dsa": cfg.model.dsa}).dsa
     return arch
 
 
-def check_memory(cfg: Config, processes, gpu_bytes=None, title=None):
-    """The memory plan against GPUs of gpu_bytes (None: H100s). title (--dry-run): print the plan first. One
-    ConfigError line naming what does not fit and the fixes."""
-    plan, gpu = plan_memory(cfg, processes), gpu_bytes or H100_BYTES
+def check_memory(cfg: Config, processes, gpu_bytes=None, title=None, shared=None):
+    """The memory plan against GPUs of gpu_bytes (None: H100s). title (--dry-run): print the plan first. shared:
+    the generator and the learner share one GPU (None: when train.generator_device and learner_device name the
+    same one), so their sum must fit. One ConfigError line naming what does not fit and the fixes."""
+    t = cfg.train
+    shared = shared if shared is not None else t.generator_device is not None and t.generator_device == t.learner_device
+    plan, gpu = plan_memory(cfg, processes, shared), gpu_bytes or H100_BYTES
     if title is not None:
-        print(f"{title}: {processes} generator/learner GPU pairs, learners in {cfg.train.parallel}, on H100s\n"
-              f"{plan.text(gpu)}", flush=True)
+        layout = "the generator and the learner on one GPU" if shared else f"{processes} generator/learner GPU pairs"
+        print(f"{title}: {layout}, learners in {cfg.train.parallel}, on H100s\n{plan.text(gpu)}", flush=True)
     if plan.problems(gpu):
         raise ConfigError(("does not fit on H100s: " if gpu_bytes is None else "this config does not fit: ")
                           + "; ".join(plan.problems(gpu)) + ("" if gpu_bytes is None else " (see --dry-run)"))
 
 
-def plan_memory(cfg: Config, processes):
-    """The per-GPU memory plan of this config with `processes` generator/learner pairs in all."""
+def plan_memory(cfg: Config, processes, shared=False):
+    """The per-GPU memory plan of this config with `processes` generator/learner pairs in all (shared: on one GPU)."""
     r, g, t = cfg.rollout, cfg.grpo, cfg.train
     return memory_plan(architecture(cfg), learner_gpus=processes, parallel=t.parallel,
                        micro_batch_tokens=cfg.optim.max_tokens_per_micro_batch,
@@ -481,4 +529,4 @@ def plan_memory(cfg: Config, processes):
                        generator_max_len=r.max_prompt_tokens + response_budget(cfg),
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,
-                       dsa_kernels=cfg.model.dsa_kernels)
+                       dsa_kernels=cfg.model.dsa_kernels, shared=shared)

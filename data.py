@@ -3,7 +3,7 @@ Everything about data that is not a model: prompt files, chat templates, rewards
 the synthetic arithmetic task of the CPU demo, token-budget batching, and pass@k.
 
 The order of this file follows one prompt through a run:
-  1. load_jsonl / PromptStream      read a dataset, hand out prompts forever (resumable)
+  1. load_rows / PromptStream       read a dataset (JSONL or Parquet), hand out prompts forever (resumable)
   2. render_prompt / prompt_lengths prompt -> token ids, through the model's chat template
   3. load_reward / math_reward      the reward hook; the default grades a response -> 1.0 or 0.0
   4. synthetic_task / tokenizer     the no-download demo: "12+7=" -> "\\boxed{19}"
@@ -12,8 +12,9 @@ The order of this file follows one prompt through a run:
 
 Simplifications, stated plainly:
 - Grading follows the deepscaler recipe (slime's default reward): only the last \\boxed{} after the
-  reasoning counts, a normalised string match first, then a symbolic check with math-verify. There
-  is no partial credit and no format reward.
+  reasoning counts (with data.answer_line, or DAPO's final "Answer: ..." line if that comes later), a
+  normalised string match first, then a symbolic check with math-verify. There is no partial credit and no
+  format reward.
 - The symbolic check runs in a helper thread with a deadline instead of math-verify's own timeout,
   which uses signal.alarm and so only works in the main thread (we grade in the generator thread).
   A thread cannot be killed, so inputs that could blow up (huge powers, deep nesting, long strings)
@@ -38,27 +39,38 @@ from pathlib import Path
 import torch
 from math_verify import parse, verify
 
+import hub
+
 log = logging.getLogger(__name__)
 # math-verify only warns about its own timeouts, which we switch off and replace (see math_reward).
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 # -----------------------------------------------------------------------------
 # 1. Prompt datasets
-# One JSON object per line: {"prompt": str | [{"role": ..., "content": ...}, ...], "label": str, ...}.
-# An example is the whole object, every field kept (a custom reward may grade with metadata such as
-# "difficulty" or test cases), plus the normalised fields the rest of the code reads: "prompt",
-# "label" (a string) and, for the supervised stage, "solution" (the reference response).
+# A prompt file is JSONL, one JSON object per line, or Parquet (.parquet, one row per problem, nested structs as
+# dicts): {"prompt": str | [{"role": ..., "content": ...}, ...], "label": str, ...}. An example is the whole
+# object, every field kept (a custom reward may grade with metadata such as "difficulty" or test cases), plus the
+# normalised fields the rest of the code reads: "prompt", "label" (a string) and, for the supervised stage,
+# "solution" (the reference response). The keys naming them (data.prompt_key, ...) may be paths into nested
+# objects, as DAPO-Math-17k's "reward_model.ground_truth": a top-level key of exactly that name wins, else each
+# dot goes one level down.
 
 # A JSONL line is one problem: even long ones are kilobytes. A 200 MB line used to be read whole
 # and then OOM-killed the tokenizer with no message; now reading stops at this size, with file:line.
 MAX_LINE_BYTES = 8 * 2**20
+PARQUET_BATCH_ROWS = 1024  # Parquet is read this many rows at a time: memory holds the rows kept, not the file
 
 
-def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (expected a JSONL prompt file, one "
-                                f'{{"{prompt_key}": ..., "{label_key}": ...}} object per line)')
+def load_rows(path, prompt_key="prompt", label_key="label", response_key=None, *, dedup=False, verbose=False):
+    """The examples of a prompt file (or of several, a list of paths, read in order), each row checked: JSONL, or
+    Parquet by its .parquet extension. Every problem is one ValueError naming file:line (Parquet: file:row N,
+    counting from 1) and what is wrong. dedup: drop each row whose prompt repeats an earlier row's, keeping the
+    first (with prompt_key None, as with data.env, rows that repeat whole); verbose: then say how many, in one line."""
+    paths = [Path(path)] if isinstance(path, (str, os.PathLike)) else [Path(p) for p in path]
+    for p in paths:
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: no such file (expected a JSONL or Parquet prompt file of "
+                                    f'{{"{prompt_key}": ..., "{label_key}": ...}} objects)')
     # (key in the file, normalised field it is copied to, parameter naming it); a copy must never
     # overwrite another field of the object.
     copies = [(k, field, param) for k, field, param in [(prompt_key, "prompt", "prompt_key"),
@@ -66,7 +78,35 @@ def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
               if k is not None]  # None (with data.env): the env reads what it needs
     if response_key is not None:
         copies.append((response_key, "solution", "response_key"))
-    examples = []
+    # A repeated prompt is compared by its JSON text (a messages list with sorted keys), and its first row is
+    # the one kept. Repeats whose label differs from that row's are counted apart: the file gives two answers
+    # to one problem, and only the first one is graded against.
+    examples, seen, rows, other_label = [], {}, 0, 0
+    for p in paths:
+        parquet = p.suffix.lower() == ".parquet"
+        rows_before = rows
+        for where, obj in _parquet_rows(p) if parquet else _jsonl_rows(p):
+            rows += 1
+            example = _example(obj, where, copies)
+            if dedup:
+                key = json.dumps(obj if prompt_key is None else example["prompt"], sort_keys=True, default=str)
+                if key in seen:
+                    other_label += seen[key] != example.get("label")
+                    continue
+                seen[key] = example.get("label")
+            examples.append(example)
+        if rows == rows_before:
+            raise ValueError(f"{p}: file is empty (expected at least one {'row' if parquet else 'JSON object'})")
+    if dedup and verbose:
+        name = f"{paths[0]}" + (f" (+{len(paths) - 1} more)" if len(paths) > 1 else "")
+        print(f"[data] {name}: {rows} rows, {len(examples)} unique prompts: {rows - len(examples)} repeats dropped"
+              + (f", {other_label} of them with another label than the first row's (kept)" if label_key else ""),
+              flush=True)
+    return examples
+
+
+def _jsonl_rows(path):
+    """(file:line, object) of each non-blank line of a JSONL file."""
     with open(path, "rb") as f:  # bytes: readline's limit counts bytes, and bad UTF-8 gets file:line
         lineno = 0
         while True:
@@ -91,60 +131,111 @@ def load_jsonl(path, prompt_key="prompt", label_key="label", response_key=None):
                 raise ValueError(f"{where}: not valid JSON ({e.msg}); expected one object per line") from None
             if not isinstance(obj, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            for key, _, _ in copies:
-                if key not in obj:
-                    raise ValueError(f"{where}: missing key '{key}' (keys present: {sorted(obj)})")
-            for key, field, param in copies:
-                if key != field and field in obj:
-                    raise ValueError(f"{where}: has both '{key}' (the {param}) and a '{field}' field; copying "
-                                     f"'{key}' to '{field}' would overwrite it, so rename one of them")
-            example = dict(obj)
-            if prompt_key is not None:
-                prompt = example["prompt"] = obj[prompt_key]
-                if not (isinstance(prompt, str) or _is_messages(prompt)):
-                    raise ValueError(f"{where}: '{prompt_key}' must be a string or a list of "
-                                     f'{{"role": str, "content": str}} messages, got {type(prompt).__name__}')
-            if label_key is not None:
-                # Labels like 42 are often stored as JSON numbers; the grader compares strings.
-                label = obj[label_key]
-                if isinstance(label, bool) or not isinstance(label, (str, int, float)):
-                    raise ValueError(f"{where}: '{label_key}' must be a string or a number, got {type(label).__name__}")
-                example["label"] = str(label)
-            if response_key is not None:
-                response = obj[response_key]
-                if not (isinstance(response, str) or (isinstance(response, list) and response
-                                                      and all(isinstance(t, str) for t in response))):
-                    raise ValueError(f"{where}: '{response_key}' must be a string (the reference response) or, "
-                                     f"with data.env, a list of strings (the model's turns), got {type(response).__name__}")
-                example["solution"] = obj[response_key]
-            examples.append(example)
-    if not examples:
-        raise ValueError(f"{path}: file is empty (expected at least one JSON object)")
-    return examples
+            yield where, obj
+
+
+def _parquet_rows(path):
+    """(file:row N, row as a dict) of each row of a Parquet file, read PARQUET_BATCH_ROWS rows at a time."""
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading a Parquet file needs pyarrow: pip install pyarrow") from None
+    row = 0
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for obj in batch.to_pylist():
+                row += 1
+                yield f"{path}:row {row}", obj
+    except (pyarrow.ArrowException, OSError) as e:  # not Parquet at all, a corrupt page, a type pyarrow cannot read
+        raise ValueError(f"{path}: cannot be read as Parquet ({_one_line(e)})") from None
+
+
+def _lookup(obj, key, where):
+    """obj's value at key: a top-level key of exactly that name, else a path through nested objects
+    ("reward_model.ground_truth"). A missing key, or path part, is one error naming it."""
+    if key in obj:
+        return obj[key]
+    value, walked = obj, []
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: missing key '{key}': '{'.'.join(walked)}' is a {type(value).__name__}, "
+                             f"not an object")
+        if part not in value:
+            if "." not in key:
+                raise ValueError(f"{where}: missing key '{key}' (keys present: {sorted(value)})")
+            inside = f"in '{'.'.join(walked)}'" if walked else "at the top level"
+            raise ValueError(f"{where}: missing key '{key}': no '{part}' {inside} (keys present: {sorted(value)})")
+        value = value[part]
+        walked.append(part)
+    return value
+
+
+def _example(obj, where, copies):
+    """A row as an example: every field kept, the normalised fields (copies) added and checked."""
+    values = {field: _lookup(obj, key, where) for key, field, _ in copies}
+    for key, field, param in copies:
+        # Replacing the key's own top-level field is no loss ("prompt.text" makes the prompt its text); any
+        # other field of that name would be overwritten.
+        root = key if key in obj else key.split(".")[0]
+        if field in obj and root != field:
+            raise ValueError(f"{where}: has both '{key}' (the {param}) and a '{field}' field; copying "
+                             f"'{key}' to '{field}' would overwrite it, so rename one of them")
+    example = dict(obj)
+    for key, field, _ in copies:
+        value = values[field]
+        if field == "prompt" and not (isinstance(value, str) or _is_messages(value)):
+            raise ValueError(f"{where}: '{key}' must be a string or a list of "
+                             f'{{"role": str, "content": str}} messages, got {type(value).__name__}')
+        if field == "label":
+            # Labels like 42 are often stored as numbers; the grader compares strings.
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError(f"{where}: '{key}' must be a string or a number, got {type(value).__name__}")
+            value = str(value)
+        if field == "solution" and not (isinstance(value, str) or (isinstance(value, list) and value and all(
+                isinstance(t, str) for t in value))):
+            raise ValueError(f"{where}: '{key}' must be a string (the reference response) or, with data.env, "
+                             f"a list of strings (the model's turns), got {type(value).__name__}")
+        example[field] = value
+    return example
+
+
+# The keys a data source may name for itself, beside the data section's: data.eval: {aime: {path: ...,
+# prompt_key: problem, label_key: answer}}.
+SOURCE_KEYS = ("path", "prompt_key", "label_key")
+
+
+def spec_path(spec):
+    """The file (or synthetic task, or Hub id) of a data source: the spec itself, or a mapping's "path"."""
+    return spec["path"] if isinstance(spec, dict) else spec
 
 
 def load_examples(source, tokenizer, keys, *, split, seed, sft, chat_template, max_prompt_tokens, verbose=True,
                   openings=None):
-    """The examples of one data source (a JSONL file or "synthetic") whose prompts fit max_prompt_tokens.
-    keys: the config's data section (prompt_key, label_key, response_key, train_size, eval_size); the
-    reference response is read only where the supervised stage needs it (sft, train split). Every prompt is
-    tokenized here, at start-up, so that an impossible setting fails in seconds: overlong eval prompts, or no
-    train prompt that fits, are an error; overlong train prompts are skipped with one line. openings (with
-    data.env): the examples' prompt ids, their env's reset() rendered; prompt and label keys are then the
-    env's business, not required here."""
+    """The examples of one data source (a JSONL or Parquet file, or "synthetic") whose prompts fit max_prompt_tokens.
+    source: the file, or a mapping {path: file, prompt_key: ..., label_key: ...} whose keys win over the data
+    section's (data.eval's sets). keys: the config's data section (prompt_key, label_key, response_key, dedup,
+    train_size, eval_size); the reference response is read only where the supervised stage needs it (sft, train
+    split). Every prompt is tokenized here, at start-up, so that an impossible setting fails in seconds: overlong
+    eval prompts, or no train prompt that fits, are an error; overlong train prompts are skipped with one line.
+    openings (with data.env): the examples' prompt ids, their env's reset() rendered; prompt and label keys are
+    then the env's business, not required here."""
     size = keys.train_size if split == "train" else keys.eval_size
-    if source in SYNTHETIC:
+    path, own = spec_path(source), source if isinstance(source, dict) else {}
+    if path in SYNTHETIC:
         if size is None:
             raise ValueError(f"data.{split}_size must be set for the synthetic task (how many problems)")
-        examples = synthetic_task(size, seed=seed, split="train" if split == "train" else "test", task=source)
+        examples = synthetic_task(size, seed=seed, split="train" if split == "train" else "test", task=path)
     else:
         response = keys.response_key if split == "train" and sft else None
-        examples = load_jsonl(source, None if openings else keys.prompt_key, None if openings else keys.label_key,
-                              response)[:size]
+        prompt_key, label_key = own.get("prompt_key", keys.prompt_key), own.get("label_key", keys.label_key)
+        files = hub.data_files(path, "data.train" if split == "train" else "data.eval")  # a Hub id: its cached files
+        examples = load_rows(files, None if openings else prompt_key, None if openings else label_key, response,
+                             dedup=keys.dedup, verbose=verbose)[:size]
     lengths = [len(p) for p in openings(examples)] if openings else prompt_lengths(tokenizer, examples, chat_template)
     fit = [ex for ex, n in zip(examples, lengths) if n <= max_prompt_tokens]
     if len(fit) < len(examples):
-        what = (f"{len(examples) - len(fit)} of {len(examples)} prompts in {source} are longer than "
+        what = (f"{len(examples) - len(fit)} of {len(examples)} prompts in {path} are longer than "
                 f"rollout.max_prompt_tokens={max_prompt_tokens} (the longest has {max(lengths)} tokens)")
         if split != "train" or not fit:
             raise ValueError(what + ("" if fit else "; none is left to train on"))
@@ -244,15 +335,23 @@ def prompt_lengths(tokenizer, examples, chat_template):
 # -----------------------------------------------------------------------------
 # 3. Rewards
 # A reward function is any f(response_text, example) -> float, named as "module:function" and found
-# by load_reward. The example is the whole JSONL object (load_jsonl keeps every field), so a custom
+# by load_reward. The example is the whole row of the prompt file (load_rows keeps every field), so a custom
 # reward can grade with metadata. The default, math_reward, grades a math answer against
 # example["label"]; most of this section is its answer matching.
 
 
-def load_reward(spec):
+def load_reward(spec, answer_line=False):
     """The function named by spec, "module:function" (e.g. "data:math_reward"), checked to accept
-    (response_text, example). Every problem is one ValueError line starting with "data.reward: "."""
+    (response_text, example). Every problem is one ValueError line starting with "data.reward: ".
+    answer_line (data.answer_line): the built-in math_reward also takes a final "Answer: ..." line; it is bound
+    here (math_reward_answer_line), so that the hook keeps its two arguments. Any other function would ignore
+    it: an error."""
     fn = load_object(spec, "data.reward")
+    if answer_line:
+        if fn is not math_reward:
+            raise ValueError(f"data.answer_line: only the built-in data:math_reward reads it, and data.reward is "
+                             f"{spec!r}; grade 'Answer:' lines in that function instead")
+        return math_reward_answer_line
     if not callable(fn):
         raise ValueError(f"data.reward: {spec!r}: {spec.replace(':', '.')} is a {type(fn).__name__}, not a function")
     try:
@@ -321,28 +420,39 @@ MAX_NESTING = 12           # parsing time grows steeply with bracket depth
 MAX_STUCK_CHECKS = 4       # timed-out checks still running; beyond this, skip symbolic entirely
 
 
-def math_reward(response, example):
-    """1.0 if the last \\boxed{} answer after the reasoning equals example["label"], else 0.0.
-    Never raises on what a model wrote or a dataset holds. Called the old way, with a label instead
-    of the example, it raises TypeError: otherwise every response would silently score 0."""
+def math_reward(response, example, *, answer_line=False):
+    """1.0 if the last \\boxed{} answer after the reasoning equals example["label"], else 0.0. answer_line
+    (data.answer_line): a final "Answer: ..." line counts too, DAPO's format; of it and the last box, the one
+    that comes later is the answer ("Answer: \\boxed{5}" is the box's 5). Never raises on what a model wrote or
+    a dataset holds. Called the old way, with a label instead of the example, it raises TypeError: otherwise
+    every response would silently score 0."""
     if not isinstance(example, dict) or "label" not in example:
         got = f"a dict with keys {list(example)}" if isinstance(example, dict) else type(example).__name__
         raise TypeError(f"math_reward(response, example): example must be a dict with a 'label' key "
                         f"(the whole example, not its label), got {got}")
     try:
-        return 1.0 if _is_correct(response, example["label"]) else 0.0
+        return 1.0 if _is_correct(response, example["label"], answer_line) else 0.0
     except Exception:
         return 0.0
 
 
-def _is_correct(response, label):
+def math_reward_answer_line(response, example):
+    """math_reward that also takes a final "Answer: ..." line: what load_reward returns for data:math_reward
+    with data.answer_line: true (a named function, so that warnings name it)."""
+    return math_reward(response, example, answer_line=True)
+
+
+def _is_correct(response, label, answer_line=False):
     if not isinstance(response, str) or not isinstance(label, str):
         return False
     if "</think>" in response:
         response = response.rsplit("</think>", 1)[1]
     elif "<think>" in response:
         return False  # still thinking when it hit the length limit: no answer yet
-    answer = last_boxed(response)
+    answer, boxed_at = last_boxed(response), max(response.rfind("\\boxed"), response.rfind("\\fbox"))
+    line = last_answer_line(response) if answer_line else None
+    if line is not None and (answer is None or line[0] > boxed_at):  # the later of the two (a box cut off: the line)
+        answer = line[1]
     if answer is None:
         return False
     if "\\boxed" in label or "\\fbox" in label:
@@ -357,6 +467,31 @@ def _is_correct(response, label):
     if not (_safe_for_sympy(answer) and _safe_for_sympy(label)):
         return False
     return _with_deadline(_symbolic_equal, answer, label)
+
+
+# DAPO's own grader (verl's math_dapo.py) reads the rest of the line after "Answer:", in any case, or the next
+# non-blank line if that is empty: Answer\s*:\s*([^\n]+). Here, of the last "Answer:" in the text (DAPO's takes
+# the last match, and so the first "Answer:" of a line that holds two).
+_ANSWER_HEAD = re.compile(r"(?i)Answer\s*:")
+_ANSWER_REST = re.compile(r"\s*([^\n]+)")
+
+
+def last_answer_line(text):
+    """(offset, answer) of the last "Answer: ..." in text (DAPO's prompts ask for a last line "Answer: 34"), or
+    None: the rest of its line, stripped of whitespace, surrounding $ (or ** bold) and a trailing period."""
+    head = None
+    for head in _ANSWER_HEAD.finditer(text):
+        pass
+    rest = head and _ANSWER_REST.match(text, head.end())
+    if not rest:
+        return None
+    answer, before = rest.group(1), None
+    while answer != before:  # "$\frac{1}{2}$." -> \frac{1}{2}
+        before = answer
+        answer = answer.strip().removesuffix(".").strip("*").strip()
+        if len(answer) >= 2 and answer[0] == answer[-1] == "$":
+            answer = answer[1:-1]
+    return (head.start(), answer) if answer else None
 
 
 def last_boxed(text):

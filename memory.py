@@ -29,9 +29,11 @@ OVERHEAD = 3 * GiB
 @dataclass
 class MemoryPlan:
     params: int  # total parameter count
-    learner: list[tuple[str, int]]  # (item, bytes) on one learner GPU
-    generator: list[tuple[str, int]]  # (item, bytes) on one generator GPU
+    learner: list[tuple[str, int]]  # (item, bytes) on one learner GPU at its peak: a training step
+    generator: list[tuple[str, int]]  # (item, bytes) on one generator GPU at its peak: decoding
     settings: dict = field(default_factory=dict)  # memory_plan's arguments, and the KV cache bytes per token
+    learner_load: list[tuple[str, int]] = field(default_factory=list)  # (item, bytes) while the weights load
+    generator_load: list[tuple[str, int]] = field(default_factory=list)
 
     def learner_bytes(self) -> int:
         return sum(b for _, b in self.learner)
@@ -40,19 +42,36 @@ class MemoryPlan:
         return sum(b for _, b in self.generator)
 
     def _gpus(self, gpu_bytes):
-        """(title, items, bytes needed, bytes allowed) per GPU kind; SGLang's weights live in its static pool."""
+        """(title, items, bytes needed, bytes allowed, load-time bytes) per GPU kind; SGLang's weights live in its
+        static pool. Sharing one GPU (settings["shared"]), the learner gets what the generator leaves."""
         s = self.settings
         pool = gpu_bytes * s["sglang_mem_fraction"] if s["engine"] == "sglang" else gpu_bytes
-        return [(f"learner GPU ({s['parallel']} over {s['learner_gpus']})", self.learner, self.learner_bytes(), gpu_bytes),
-                (f"generator GPU ({s['engine']} engine)", self.generator, self.generator_bytes(), pool)]
+        gen = (f"generator GPU ({s['engine']} engine)", self.generator, self.generator_bytes(), pool,
+               sum(b for _, b in self.generator_load))
+        learner = (f"learner GPU ({s['parallel']} over {s['learner_gpus']})", self.learner, self.learner_bytes(), gpu_bytes,
+                   sum(b for _, b in self.learner_load))
+        if s.get("shared"):  # one CUDA context between them; SGLang's static share is taken first
+            room = gpu_bytes - (pool if s["engine"] == "sglang" else self.generator_bytes() - OVERHEAD)
+            learner = (f"learner, on the same GPU ({s['parallel']} over {s['learner_gpus']})", *learner[1:3], room,
+                       learner[4])
+        return [learner, gen]
 
     def text(self, gpu_bytes) -> str:
         s = self.settings
         out = [f"memory plan: {self.params / 1e9:.2f}B parameters, GPU {gpu_bytes / 1e9:.1f} GB = {gpu_bytes / GiB:.1f} GiB"]
-        for title, items, need, allowed in self._gpus(gpu_bytes):
+        for (title, items, need, allowed, load), loading in zip(self._gpus(gpu_bytes), (self.learner_load, self.generator_load)):
             out += [f"{title:<72} GiB"] + [f"  {item:<70} {b / GiB:6.2f}" for item, b in items]
-            verdict = "fits" if need <= allowed else "does NOT fit"
-            out.append(f"  {'total':<70} {need / GiB:6.2f}  {verdict} in {allowed / GiB:.1f} GiB")
+            verdict = "fits" if need <= allowed and load <= allowed else "does NOT fit"
+            out.append(f"  {'total at the step-time peak':<70} {need / GiB:6.2f}  {verdict} in {allowed / GiB:.1f} GiB")
+            if loading:
+                what = "weights" + (" + KL reference" if any("reference" in i for i, _ in loading) else "")
+                out.append(f"  {f'total at the load-time peak ({what}, one tensor in flight)':<70} {load / GiB:6.2f}")
+        if s.get("shared"):
+            both = self.learner_bytes() + self.generator_bytes() - OVERHEAD
+            out.append(f"one GPU for both: {both / GiB:.2f} GiB of {gpu_bytes / GiB:.1f} (generator, learner, one CUDA context)"
+                       if s["engine"] == "torch" else
+                       f"one GPU for both: SGLang's {s['sglang_mem_fraction']:.0%} share + the learner's "
+                       f"{self.learner_bytes() / GiB:.2f} GiB of {gpu_bytes / GiB:.1f}")
         if s["engine"] == "sglang":
             kv = gpu_bytes * s["sglang_mem_fraction"] - self.generator_bytes()
             out.append(f"  SGLang's KV pool: the rest of its share, {kv / GiB:.1f} GiB = {max(0, int(kv)) // s['kv_token']} "
@@ -62,7 +81,21 @@ class MemoryPlan:
 
     def problems(self, gpu_bytes) -> list[str]:
         s, out = self.settings, []
-        (lt, _, lneed, lgpu), (gt, _, gneed, gpool) = self._gpus(gpu_bytes)
+        (lt, _, lneed, lgpu, lload), (gt, _, gneed, gpool, gload) = self._gpus(gpu_bytes)
+        lneed, gneed = max(lneed, lload), max(gneed, gload)
+        if s.get("shared") and lneed > lgpu:  # one line: what to lower, with the sizes that say which side to lower
+            kv = next(b for item, b in self.generator if item.startswith("paged KV pool")) if s["engine"] == "torch" else 0
+            sides = (f"the generator ({gneed / GiB:.1f} GiB, its KV pool {kv / GiB:.1f}) and the learner "
+                     f"({lneed / GiB:.1f} GiB) share one GPU and need {(lneed + gpu_bytes - lgpu) / GiB:.1f} GiB together, "
+                     f"of {gpu_bytes / GiB:.1f}: ")
+            if lneed > gpu_bytes:
+                out.append(sides + f"the learner alone does not fit (fp32 weights, grads and AdamW of {self.params / 1e9:.2f}B "
+                                   "parameters): more GPUs (a generator and a learner GPU per pair, train.pairs) or a smaller model")
+            else:
+                gen = ("rollout.kv_cache_tokens or rollout.max_batch" if s["engine"] == "torch" else "rollout.sglang_mem_fraction")
+                out.append(sides + f"lower {gen} (generator), or optim.max_tokens_per_micro_batch" +
+                           ("" if s["gradient_checkpointing"] else " or set model.gradient_checkpointing: true") + " (learner)")
+            return out
         if lneed > lgpu:
             fix = ["train.parallel: fsdp (shards weights, grads and AdamW state)"] if s["parallel"] == "ddp" else []
             fix += [] if s["gradient_checkpointing"] else ["model.gradient_checkpointing: true"]
@@ -110,7 +143,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                 generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
                 kv_cache_tokens: int | None = None, cuda_graphs: bool = False, prefill_tokens: int = PREFILL_TOKENS, group_size: int = 1,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
-                dsa_kernels: bool = True) -> MemoryPlan:
+                dsa_kernels: bool = True, shared: bool = False) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
     up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
@@ -118,7 +151,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     prompt share; cuda_graphs: decode steps replayed as CUDA graphs; "sglang": its share of the GPU). logit_chunk:
     response tokens per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch
     keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA and the sampler run
-    dsa_triton's kernels (dsa.USE_TRITON)."""
+    dsa_triton's kernels (dsa.USE_TRITON). shared: the generator and the learner share one GPU (their sum must fit).
+    Beside each step-time peak, the load-time one: the weights as model.GLM.from_pretrained allocates them."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
     with torch.device("meta"):
@@ -165,7 +199,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     if parallel == "fsdp":  # FSDP2: fully_shard per decoder layer + root; bf16 params, fp32 reduce
         learner = [(f"fp32 master weights (1/{N})", 4 * P // N), (f"fp32 grads, trainable (1/{N})", 4 * Pt // N),
                    (f"AdamW exp_avg + exp_avg_sq fp32 (1/{N})", 8 * Pt // N)]
-        learner += [(f"reference model fp32 (1/{N})", 4 * P // N)] if reference else []
+        learner += [(f"KL reference bf16 (1/{N}): bf16 is what the forward uses", (2 * P + 2 * P32) // N)] if reference else []
         learner += [("bf16 root (embed, norm, lm_head), gathered all step", 2 * root),
                     ("bf16 decoder layers gathered: current + prefetched", 2 * layer),
                     ("bf16 root grads (lm_head's from the first chunk on)", 2 * root)]
@@ -176,7 +210,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         learner = [("fp32 weights", 4 * P), ("fp32 grads, trainable", 4 * Pt),
                    ("DDP gradient buckets fp32 (a second copy of the grads)", 4 * Pt),
                    ("AdamW exp_avg + exp_avg_sq fp32", 8 * Pt)]
-        learner += [("reference model fp32", 4 * P)] if reference else []
+        learner += [("KL reference bf16 (what autocast computes with anyway)", 2 * P + 2 * P32)] if reference else []
         learner += [("autocast's bf16 weight copies (held to the forward's end)",
                      2 * (Pt - (0 if cfg.tie_word_embeddings else V * h)))]  # the embedding table is not cast
         transients = [logits, one_block]
@@ -232,7 +266,20 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         steps.append(("a decode step (logits, activations, DSA scores, sampling)", forward + sampling))
         name, peak = max(steps, key=lambda t: t[1])
         generator += [(f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
-    settings = dict(learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
+    # Loading (model.GLM.from_pretrained): built on meta, allocated once in its final dtype (FSDP: only this rank's
+    # shards), then filled tensor by tensor from the memory-mapped files: one tensor's rows in flight beside it.
+    # The KL reference follows at the start of RL: the policy is first saved through rank 0's CPU memory, one
+    # gathered fp32 tensor at a time on the GPU, then loaded as bf16 shards.
+    big, shards = max(p.numel() for p in named.values()), N if parallel == "fsdp" else 1
+    part = f" (1/{N})" if shards > 1 else ""
+    learner_load = [(f"fp32 weights{part}", 4 * P // shards), ("one tensor's rows copied in", 4 * big // shards)]
+    if reference:
+        learner_load = [(f"fp32 weights{part}", 4 * P // shards), (f"reference bf16{part}", (2 * P + 2 * P32) // shards),
+                        ("saving the reference: one gathered fp32 tensor", 4 * big)]
+    learner_load.append(("CUDA context, NCCL, fragmentation", OVERHEAD))
+    generator_load = [] if engine == "sglang" else [("bf16 weights", 2 * P + 2 * P32), ("one tensor copied in", 2 * big),
+                                                    ("CUDA context, fragmentation", OVERHEAD)]
+    settings = dict(shared=shared, learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
                     reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,
                     generator_batch=B, generator_max_len=S, kv_token=kv_token, kv_cache_tokens=T, cuda_graphs=cuda_graphs)
-    return MemoryPlan(P, learner, generator, settings)
+    return MemoryPlan(P, learner, generator, settings, learner_load, generator_load)

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import dsa
-from dsa import FP32_PARAMS, DSAConfig
+from dsa import FP32_PARAMS, DSAConfig, Indexer
 
 
 # ----------------------------------------------------------------------------- config
@@ -572,10 +572,16 @@ class GLM(nn.Module):
     # ------------------------------------------------------------------------- checkpoints
 
     @classmethod
-    def from_pretrained(cls, path, dsa=None, dtype=None, device=None) -> "GLM":
+    def from_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None) -> "GLM":
         """Load an HF directory. dsa: None keeps the checkpoint's own setting (dense for a GLM-4
         checkpoint), a dict (or DSAConfig) turns DSA on, False turns it off. dtype (default bf16 on
         CUDA, else fp32) applies to every weight but dsa.FP32_PARAMS, which stay fp32.
+
+        Memory: the model is built on the meta device, cast there, and only then allocated, so every
+        tensor exists once, in its final dtype; the file's tensors are copied in one at a time from the
+        memory-mapped safetensors. shard (parallel.py's FSDP2) is applied while the model is still on meta:
+        each rank then allocates only its shard of each tensor and reads only those rows of the file, so
+        no rank ever holds the full model (a 9B learner loads in 1/N of its fp32 bytes, not 2x).
 
         IndexCache patterns may differ between the checkpoint and the model: a layer that owns an
         indexer (`F`) takes the checkpoint's indexer for that layer when the file has one, and only the
@@ -592,12 +598,14 @@ class GLM(nn.Module):
         dtype = dtype or (torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32)
 
         with torch.device("meta"):
-            model = cls(cfg)
-        expected = {hf_name(n): p for n, p in model.state_dict(keep_vars=True).items()}
+            model = cls(cfg).cast_(dtype)  # no memory yet: the dtypes are decided before anything is allocated
+        if shard is not None:
+            shard(model)  # FSDP2 on meta: parameters become DTensors, each rank's rows of dim 0
+        expected = {hf_name(n): p for n, p in model.state_dict(keep_vars=True).items()}  # global shapes
         if cfg.tie_word_embeddings:
             expected.pop("lm_head.weight")
-        loaded, dropped = {}, set()
-        for file, names in _safetensors_files(path).items():
+        files, dropped = _safetensors_files(path), set()
+        for file, names in files.items():  # check names and shapes from the headers before allocating
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names:
                     if name not in expected:
@@ -605,14 +613,13 @@ class GLM(nn.Module):
                             dropped.add(_layer_of(name))
                             continue
                         raise ValueError(f"{file}: unexpected tensor {name} (not part of {describe(cfg)})")
-                    t = f.get_tensor(name)
-                    if tuple(t.shape) != tuple(expected[name].shape):
-                        raise ValueError(f"{file}: tensor {name} has shape {tuple(t.shape)}, "
-                                         f"expected {tuple(expected[name].shape)}")
-                    loaded[name] = t.to(device=device, dtype=torch.float32 if name.endswith(FP32_PARAMS) else dtype)
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != tuple(expected[name].shape):
+                        raise ValueError(f"{file}: tensor {name} has shape {shape}, expected {tuple(expected[name].shape)}")
+        in_file = {n for file, names in files.items() for n in names}
         fresh = {}  # layer -> its indexer tensors missing from the checkpoint
         for name in expected:
-            if name not in loaded:
+            if name not in in_file:
                 if ".indexer." not in name:
                     raise ValueError(f"{path}: checkpoint is missing tensor {name}")
                 fresh.setdefault(_layer_of(name), []).append(name)
@@ -620,20 +627,29 @@ class GLM(nn.Module):
             if len(names) != sum(".indexer." in n and _layer_of(n) == layer for n in expected):
                 raise ValueError(f"{path}: checkpoint is missing tensor {names[0]} (it has the rest of layer "
                                  f"{layer}'s indexer)")
+
         model.to_empty(device=device or "cpu")
-        model.cast_(dtype)
-        state = {our_name(n): t for n, t in loaded.items()}
-        model.load_state_dict(state, strict=False, assign=False)
-        for layer in sorted(fresh):
-            model.layers[layer].self_attn.indexer.apply(init_weights)
+        if cfg.tie_word_embeddings and shard is None:  # to_empty made two tensors of the tied one
+            model.lm_head.weight = model.embed_tokens.weight
+        params = {hf_name(n): p for n, p in model.state_dict(keep_vars=True).items()}
+        with torch.no_grad():
+            for file, names in files.items():
+                with safe_open(file, framework="pt", device="cpu") as f:
+                    for name in names:
+                        if name in expected:
+                            _copy_rows(params[name], lambda rows, f=f, name=name: f.get_slice(name)[rows])
+            for layer in sorted(fresh):  # initialised whole on the CPU with the seed, then each rank keeps its rows,
+                with torch.device("meta"):  # so N processes start from the same indexer as one process
+                    ix = Indexer(cfg.hidden_size, cfg.dsa)
+                ix.to_empty(device="cpu").apply(init_weights)
+                for n, t in ix.state_dict().items():
+                    _copy_rows(params[f"model.layers.{layer}.self_attn.indexer.{n}"], lambda rows, t=t: t[rows])
         if fresh:
             print(f"[model] {path}: no indexer weights for layer(s) {_ranges(fresh)} in the checkpoint; initialised "
                   "them fresh (train them with the DSA warm-up before using sparse attention)")
         if dropped:
             print(f"[model] {path}: ignored the checkpoint's indexer weights of layer(s) {_ranges(dropped)} "
                   f"({'dense attention' if cfg.dsa is None else 'S layers in pattern ' + cfg.dsa.pattern})")
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
         return model
 
     def cast_(self, dtype):
@@ -692,6 +708,19 @@ class GLM(nn.Module):
         config["dtype"] = str(next(self.parameters()).dtype).removeprefix("torch.")
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+
+
+def _copy_rows(dst, read):
+    """Fill dst (a tensor, or an FSDP2 DTensor sharded along dim 0) with read(rows), the source's rows
+    [start, stop) that this rank holds: FSDP2 splits dim 0 as torch.chunk does, ceil(n / ranks) rows each."""
+    if not hasattr(dst, "to_local"):
+        dst.copy_(read(slice(None)))
+        return
+    local, n = dst.to_local(), dst.shape[0]
+    ranks, rank = dst.device_mesh.size(), dst.device_mesh.get_local_rank()
+    start = min(n, rank * -(-n // ranks))
+    if local.numel():  # (a rank can hold no rows of a short tensor)
+        local.copy_(read(slice(start, start + local.shape[0])))
 
 
 def hf_name(name: str) -> str:

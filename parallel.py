@@ -101,6 +101,17 @@ def init_processes(learner_device):
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=60))
 
 
+def once_per_machine(fetch, apply):
+    """Downloads (hub.py) happen once per machine: global rank 0 fetches first and every rank applies its result
+    (the revisions it resolved), then local rank 0 of every other machine fetches those same revisions while the
+    rest wait. One process: fetch, then apply."""
+    result = all_gather(fetch() if rank() == 0 else None)[0]
+    apply(result)
+    if rank() != 0 and local_layout()[0] == 0:
+        fetch()
+    barrier()
+
+
 def launch(pairs, script, argv):
     """`python train.py` with train.pairs > 1: start the pairs through torchrun's own launcher (one
     machine, a free port), each running the script with the same arguments. Only the first failing
@@ -108,6 +119,7 @@ def launch(pairs, script, argv):
     import logging
     from torch.distributed.run import get_args_parser, run
     print(f"[train] starting {pairs} processes (one per generator/learner pair)", flush=True)
+    os.environ["HF_HUB_OFFLINE"] = "1"  # this process fetched whatever the Hub had to give: they read the cache
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cpu_cores() // pairs)))  # set_threads refines it
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its failure tables repeat ours
     try:
@@ -149,22 +161,38 @@ def parallel_learner(model, device, parallel):
     AdamW state over the ranks (each decoder layer is gathered just before use, in bf16 on GPU, and
     reduced in fp32), or DDP keeps full replicas and all-reduces gradients. Called at the start of each
     stage once it has chosen which parameters train: DDP fixes that set when built, FSDP2 follows
-    requires_grad by itself, so it shards once."""
+    requires_grad by itself, so it shards once (at load: load_learner)."""
     if world() == 1:
         return model
     if parallel == "ddp":
         return DDP(model, device_ids=[device] if device.type == "cuda" else None)
     if not isinstance(model, FSDPModule):
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
-              else MixedPrecisionPolicy())
-        mesh = init_device_mesh(device.type, (world(),))
-        fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # gathered as stored: fp32
-        for layer in model.layers:
-            if layer.self_attn.indexer is not None:  # its own unit, so dsa.FP32_PARAMS arrive in fp32
-                fully_shard(layer.self_attn.indexer, mesh=mesh, mp_policy=fp32)
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)  # the root: embeddings, final norm and lm_head
+        shard(model, device)
     return model
+
+
+def shard(model, device):
+    """FSDP2 over every rank: one unit per decoder layer (its indexer one of its own, so that dsa.FP32_PARAMS
+    arrive in fp32) and the root (embeddings, final norm, lm_head). Works on a meta-device model too."""
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
+          else MixedPrecisionPolicy())
+    mesh = init_device_mesh(device.type, (world(),))
+    fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # gathered as stored: fp32
+    for layer in model.layers:
+        if layer.self_attn.indexer is not None:
+            fully_shard(layer.self_attn.indexer, mesh=mesh, mp_policy=fp32)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def load_learner(path, dsa, device, parallel, dtype=torch.float32):
+    """A learner's model (or the KL reference) from an HF directory. Under FSDP with several ranks it is
+    sharded on the meta device before anything is allocated, and each rank reads only its own rows of
+    each tensor from the files (model.GLM.from_pretrained): no rank ever holds the full fp32 model."""
+    sharded = world() > 1 and parallel == "fsdp"
+    return GLM.from_pretrained(path, dsa=dsa, dtype=dtype, device=device,
+                               shard=(lambda m: shard(m, device)) if sharded else None)
 
 
 def unwrap(model) -> GLM:

@@ -30,11 +30,9 @@ weights would round an lr-1e-6 update away.
 import argparse
 import itertools
 import os
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 from tqdm import tqdm
@@ -44,14 +42,14 @@ import data
 import dsa
 import env
 import grpo
+import hub
 from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, reference_model, run_main,
-                        save_checkpoint, set_rng_state, starting_point)
+                        save_checkpoint, seed_all, set_rng_state, starting_point)
 from config import (LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config, ConfigError, architecture, check_memory, check_paths, eval_sets,
                     load_config, load_run_config, save_config)
-from model import GLM
 from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy_rows, full_weights, global_sum,
-                      init_processes, launch, learner_backward, micro_batches, optimizer_step, pair_devices,
-                      parallel_learner, rank, set_threads, unwrap, world)
+                      init_processes, launch, learner_backward, load_learner, micro_batches, once_per_machine,
+                      optimizer_step, pair_devices, parallel_learner, rank, set_threads, unwrap, world)
 from engine import SamplingParams, make_engine
 from rollout import Generator, evaluate
 
@@ -354,8 +352,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
                     chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, env_cls=env_cls,
                     limits=env.limits_of(r, r.max_new_tokens), seed=cfg.seed + 7919 * rank(), first_index=version,
                     partial_rollout=r.partial_rollout, truncated=r.truncated, max_failures=r.max_failure_fraction,
-                    run_dir=cfg.run_dir, dump_fraction=r.dump_fraction,
-                    rank=rank(), world=world(), ready=ready)
+                    run_dir=cfg.run_dir, dump_fraction=r.dump_fraction, rank=rank(), world=world(), ready=ready)
     if version == 0:
         log.write("rl", 0, run_eval(cfg, engine, tokenizer, sets, stop_ids, env_cls))
     bar, m, acc = tqdm(total=t.rl_steps, initial=version, desc="rl", dynamic_ncols=True, disable=rank() != 0), {}, None
@@ -423,42 +420,42 @@ def main(argv=None):
     fresh = not (args.resume and checkpoints(run_dir))
     if not args.resume and (checkpoints(run_dir) or os.path.exists(os.path.join(run_dir, "metrics.jsonl"))):
         raise ConfigError(f"{run_dir} already holds a run; pass --resume to continue it, or run_dir=... for a new one")
+    devices = pair_devices(cfg)  # (generator, learner)
+    init_processes(devices[1])  # under torchrun: the process group comes first, the downloads are shared out by rank
+    # Hub ids (hub.py): fetched once per machine, pinned, before `python train.py` starts its processes (see hub.py)
+    once_per_machine(lambda: hub.fetch(cfg), lambda pins: hub.pin(cfg, pins))
     check_paths(cfg)
     arch = architecture(cfg)  # config.json only: the checks below need no weights
     if cfg.train.dsa_warmup_steps and arch.dsa is None:
         raise ConfigError("train.dsa_warmup_steps > 0 needs a DSA model (set model.dsa)")
     if cfg.train.pairs > 1 and not under_torchrun:
         return launch(cfg.train.pairs, os.path.abspath(__file__), argv)
-
-    devices = pair_devices(cfg)  # (generator, learner)
-    init_processes(devices[1])
     if cfg.rollout.prompts_per_step % world():  # torchrun decides the world size, not train.pairs
         raise ConfigError(f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over {world()} processes")
     if devices[1].type == "cuda":  # fail now, not after loading 18 GB and compiling kernels
-        check_memory(cfg, world(), torch.cuda.get_device_properties(devices[1]).total_memory)
+        check_memory(cfg, world(), torch.cuda.get_device_properties(devices[1]).total_memory, shared=devices[0] == devices[1])
     barrier()
     if rank() == 0:
         os.makedirs(run_dir, exist_ok=True)
         save_config(cfg, run_dir)
         if args.resume and fresh:
             print(f"[train] {run_dir} has no checkpoint yet: starting it fresh", flush=True)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    seed_all(cfg.seed)
     set_threads(devices, rl=False)
     start = starting_point(cfg, run_dir) if rank() == 0 else None  # rank 0 writes a fresh model's init_model/
     barrier()
     start = start or starting_point(cfg, run_dir)
     try:  # data.py, model.py and transformers name the file and what was wrong: show that, not a traceback
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or start)
-        env_cls = env.load_env(cfg.data.env) if cfg.data.env else env.single_turn(data.load_reward(cfg.data.reward))
+        tokenizer = AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer") or start)
+        reward = data.load_reward(cfg.data.reward, cfg.data.answer_line)  # (answer_line: the built-in grader's option)
+        env_cls = env.load_env(cfg.data.env) if cfg.data.env else env.single_turn(reward)
         examples_of = lambda src, split: data.load_examples(  # noqa: E731  (all prompts tokenized now: fail in seconds)
             src, tokenizer, cfg.data, split=split, seed=cfg.seed, sft=cfg.train.sft_steps > 0, chat_template=
             cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens, verbose=rank() == 0,
             openings=cfg.data.env and (lambda exs: env.openings(env_cls, exs, tokenizer, cfg.rollout.chat_template)))
         train_examples = examples_of(cfg.data.train, "train")
         sets = {name: examples_of(src, "eval") for name, src in eval_sets(cfg).items()}
-        load = lambda path: GLM.from_pretrained(path, dsa=cfg.model.dsa, dtype=torch.float32, device=devices[1])  # noqa: E731
+        load = lambda path: load_learner(path, cfg.model.dsa, devices[1], cfg.train.parallel)  # noqa: E731  (FSDP: its shards)
         ckpt, resume, model = (None, None, load(start)) if fresh else load_latest(run_dir, load, world())
     except (OSError, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from e
@@ -492,6 +489,7 @@ def main(argv=None):
             acc = ", ".join(f"{k.removeprefix('eval/')} {v:.1%}" for k, v in last.items()
                             if k.startswith("eval/") and k.endswith("accuracy"))
             print(f"[train] final held-out accuracy: {acc or 'n/a'}")
+    log.finish()  # the dashboard's run ends as finished, TensorBoard's file is flushed
     if rank() == 0:
         print(f"[train] done: {run_dir} (metrics: {os.path.join(run_dir, 'metrics.jsonl')})")
 

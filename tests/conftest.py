@@ -1,6 +1,11 @@
 """Session set-up shared by the test files."""
 import os
 
+# No test ever reaches the network: huggingface_hub (read at its import) and transformers look in the local cache
+# only. Tests of Hub ids (tests/test_hub.py) lay out a cache of their own, as the Hub's.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["WANDB_MODE"] = "offline"
+
 # Triton reads TRITON_INTERPRET when triton.language is first imported, and only then builds its library for
 # the interpreter that runs the DSA kernels on CPU tensors (tests/test_dsa_triton.py). Import it here, in
 # that mode, before any test module can import it otherwise; then clear the variable, so that nothing else

@@ -68,6 +68,15 @@ def test_unknown_key_names_key_and_suggestion(tmp_path):
     ("rollout.prompts_per_step=3", "rollout.prompts_per_step (3) must divide evenly over train.pairs (2)"),
     ("rollout.max_new_tokens=64", "(96 tokens) must fit model.init.max_position_embeddings (64)"),
     ("data.eval={a/b: x.jsonl}", "data.eval must be a file or a mapping of set names to files"),
+    ("data.eval={2024: x.jsonl}", "data.eval must be a file or a mapping of set names to files"),
+    ("data.eval={aime: {path: a.jsonl, prompt_keys: problem}}",
+     "unknown key data.eval.aime.prompt_keys (did you mean data.eval.aime.prompt_key?)"),
+    ("data.eval={aime: {prompt_key: problem}}", "data.eval.aime needs a path (the set's file)"),
+    ("data.eval={aime: {path: a.jsonl, label_key: null}}",
+     "data.eval.aime.label_key must be a non-empty string, got None"),
+    ("data.eval={path: a.jsonl, prompt_key: problem}",
+     "data.eval: a set with its own keys is written {<name>: {path: file, prompt_key: ..., label_key: ...}}"),
+    ("data.dedup=1", "data.dedup must be bool, got 1"),
     ("grpo.agg=mean", "grpo.agg must be one of"),
     ("grpo.old_logp=recompute", "grpo.old_logp was removed: pi_old is now the learner's own forward"),
     ("rollout.top_p=0.9", "rollout.top_p was removed: RL samples from the full tempered distribution"),
@@ -92,6 +101,20 @@ def test_bad_values_fail_with_the_key(override, message):
     with pytest.raises(ConfigError) as e:
         load_config(TINY, [override] + (["train.pairs=2"] if "pairs" in message else []))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_eval_sets_with_their_own_keys_and_answer_line():
+    cfg = load_config(TINY, ["data.eval={aime: {path: aime.parquet, prompt_key: problem, label_key: answer}, "
+                             "syn: synthetic}", "data.answer_line=true", "data.dedup=true"])
+    assert config.eval_sets(cfg) == {"aime": {"path": "aime.parquet", "prompt_key": "problem", "label_key": "answer"},
+                                     "syn": "synthetic"}
+    assert cfg.data.answer_line and cfg.data.dedup and "data.dedup" not in config.SAFE_ON_RESUME  # the data changes
+    for override, why in [("data.reward=my_rewards:f", "data.reward is 'my_rewards:f'"),
+                          ("data.env=env:Calculator", "data.env is 'env:Calculator': the env grades")]:
+        with pytest.raises(ConfigError) as e:  # a key that would be ignored is an error
+            load_config(TINY, ["data.answer_line=true", override])
+        assert str(e.value) == (f"{TINY} + command line: data.answer_line is read by the built-in grader only "
+                                f"(data.reward: data:math_reward, no data.env), but {why}, so it would be ignored")
 
 
 def test_overrides_and_yaml_number_forms(tmp_path):
@@ -189,10 +212,10 @@ def test_cli_config_error_is_one_line():
 
 def test_model_paths_are_checked_before_any_work(tmp_path):
     cfg = load_config(TINY, [f"run_dir={tmp_path}", "model.init=null", f"model.path={tmp_path}"])
-    with pytest.raises(ConfigError, match=rf"^model.path: {tmp_path} has no config.json \(download the model there first\)$"):
+    with pytest.raises(ConfigError, match=rf"^model.path: {tmp_path} has no config.json$"):
         config.check_paths(cfg)  # an empty directory: not transformers' advice to install sentencepiece
     cfg.model.path = str(tmp_path / "missing")
-    with pytest.raises(ConfigError, match="is not a directory"):
+    with pytest.raises(ConfigError, match="is neither a directory nor a Hub id"):
         config.check_paths(cfg)
     cfg = load_config(TINY, [f"run_dir={tmp_path}", f"model.tokenizer={tmp_path}"])
     with pytest.raises(ConfigError, match="model.tokenizer: .* has no tokenizer_config.json"):

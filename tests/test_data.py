@@ -13,7 +13,7 @@ import tracemalloc
 import pytest
 
 import data
-from data import (PromptStream, eval_metrics, load_jsonl, load_reward, make_tiny_tokenizer, math_reward,
+from data import (PromptStream, eval_metrics, load_rows, load_reward, make_tiny_tokenizer, math_reward,
                   pack_by_tokens, pass_at_k, prompt_lengths, render_prompt, split_across_ranks, synthetic_task)
 
 
@@ -22,7 +22,7 @@ def box(x):
 
 
 # -----------------------------------------------------------------------------
-# JSONL loading
+# Prompt files (JSONL, Parquet)
 
 def write(tmp_path, text, name="d.jsonl"):
     p = tmp_path / name
@@ -30,28 +30,28 @@ def write(tmp_path, text, name="d.jsonl"):
     return p
 
 
-def test_load_jsonl_ok(tmp_path):
+def test_load_rows_ok(tmp_path):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1?"}]
     p = write(tmp_path, '{"prompt": "2+2?", "label": 4, "extra": 1}\n\n'
                         + json.dumps({"prompt": msgs, "label": "\\frac{1}{2}"}) + "\n")
-    ex = load_jsonl(p)
+    ex = load_rows(p)
     # every field kept (a reward may need it), the label as a string
     assert ex == [{"prompt": "2+2?", "label": "4", "extra": 1}, {"prompt": msgs, "label": "\\frac{1}{2}"}]
 
 
-def test_load_jsonl_custom_keys(tmp_path):
+def test_load_rows_custom_keys(tmp_path):
     p = write(tmp_path, '{"problem": "q", "answer": 7, "level": [1, 2]}\n')
-    assert load_jsonl(p, prompt_key="problem", label_key="answer") == [
+    assert load_rows(p, prompt_key="problem", label_key="answer") == [
         {"problem": "q", "answer": 7, "level": [1, 2], "prompt": "q", "label": "7"}]
 
 
-def test_load_jsonl_response_key(tmp_path):
+def test_load_rows_response_key(tmp_path):
     p = write(tmp_path, '{"prompt": "1+1=", "label": "2", "response": "\\\\boxed{2}"}\n')
-    assert load_jsonl(p, response_key="response") == [
+    assert load_rows(p, response_key="response") == [
         {"prompt": "1+1=", "label": "2", "response": "\\boxed{2}", "solution": "\\boxed{2}"}]
-    assert load_jsonl(p) == [{"prompt": "1+1=", "label": "2", "response": "\\boxed{2}"}]  # no solution asked
+    assert load_rows(p) == [{"prompt": "1+1=", "label": "2", "response": "\\boxed{2}"}]  # no solution asked
     p = write(tmp_path, '{"prompt": "1+1=", "label": "2", "solution": "so 2"}\n')
-    assert load_jsonl(p, response_key="solution") == [{"prompt": "1+1=", "label": "2", "solution": "so 2"}]
+    assert load_rows(p, response_key="solution") == [{"prompt": "1+1=", "label": "2", "solution": "so 2"}]
 
 
 @pytest.mark.parametrize("text, lineno, needle", [
@@ -63,10 +63,10 @@ def test_load_jsonl_response_key(tmp_path):
     ('{"prompt": [{"role": "user"}], "label": "1"}\n', 1, "must be a string or a list"),
     ('{"prompt": "a", "label": null}\n', 1, "'label' must be a string or a number"),
 ])
-def test_load_jsonl_errors_name_file_and_line(tmp_path, text, lineno, needle):
+def test_load_rows_errors_name_file_and_line(tmp_path, text, lineno, needle):
     p = write(tmp_path, text)
     with pytest.raises(ValueError) as e:
-        load_jsonl(p)
+        load_rows(p)
     assert str(e.value).startswith(f"{p}:{lineno}: ") and needle in str(e.value)
 
 
@@ -89,38 +89,38 @@ def test_load_jsonl_errors_name_file_and_line(tmp_path, text, lineno, needle):
     ('{"prompt": "q", "label": "1", "response": 3}\n', {"response_key": "response"}, 1,
      "'response' must be a string (the reference response) or, with data.env, a list of strings (the model's turns), got int"),
 ])
-def test_load_jsonl_key_errors(tmp_path, text, kwargs, lineno, message):
+def test_load_rows_key_errors(tmp_path, text, kwargs, lineno, message):
     p = write(tmp_path, text)
     with pytest.raises(ValueError) as e:
-        load_jsonl(p, **kwargs)
+        load_rows(p, **kwargs)
     assert str(e.value) == f"{p}:{lineno}: {message}"
 
 
-def test_load_jsonl_bad_utf8(tmp_path):
+def test_load_rows_bad_utf8(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_bytes(b'{"prompt": "a", "label": "1"}\n{"prompt": "\xff", "label": "1"}\n')
     with pytest.raises(ValueError) as e:
-        load_jsonl(p)
+        load_rows(p)
     assert str(e.value) == (f"{p}:2: not valid UTF-8 (byte 0xff at byte offset 12 of the line); "
                             "expected UTF-8 JSON text")
     p.write_bytes('{"prompt": "é ∑ 数", "label": "1"}\r\n'.encode())  # real UTF-8 and CRLF are fine
-    assert load_jsonl(p) == [{"prompt": "é ∑ 数", "label": "1"}]
+    assert load_rows(p) == [{"prompt": "é ∑ 数", "label": "1"}]
 
 
-def test_load_jsonl_line_limit(tmp_path, monkeypatch):
+def test_load_rows_line_limit(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "MAX_LINE_BYTES", 40)
     fits = '{"prompt": "%s", "label": "1"}' % ("x" * 12)  # exactly 40 bytes
     assert len(fits) == 40
     p = write(tmp_path, fits + "\n" + fits)  # at the limit, with and without a final newline
-    assert len(load_jsonl(p)) == 2
+    assert len(load_rows(p)) == 2
     p = write(tmp_path, fits + "\n\n" + fits.replace("xx", "xxx") + "\n" + fits + "\n")
     with pytest.raises(ValueError) as e:
-        load_jsonl(p)
+        load_rows(p)
     assert str(e.value) == (f"{p}:3: line is longer than 40 bytes (data.MAX_LINE_BYTES); expected one JSON "
                             "object per line, is this a JSONL file?")
 
 
-def test_load_jsonl_huge_line_is_not_read_whole(tmp_path):
+def test_load_rows_huge_line_is_not_read_whole(tmp_path):
     p = tmp_path / "huge.jsonl"
     with open(p, "wb") as f:
         f.write(b'{"prompt": "a", "label": "1"}\n{"prompt": "')
@@ -130,7 +130,7 @@ def test_load_jsonl_huge_line_is_not_read_whole(tmp_path):
     tracemalloc.start()
     try:
         with pytest.raises(ValueError) as e:
-            load_jsonl(p)
+            load_rows(p)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -138,13 +138,147 @@ def test_load_jsonl_huge_line_is_not_read_whole(tmp_path):
     assert peak < 24 * 2**20  # readline's 8 MiB (twice while it joins chunks), not the 40 MiB line
 
 
-def test_load_jsonl_empty_and_missing(tmp_path):
+def test_load_rows_empty_and_missing(tmp_path):
     p = write(tmp_path, "\n  \n")
     with pytest.raises(ValueError, match="empty"):
-        load_jsonl(p)
+        load_rows(p)
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
-        load_jsonl(missing)
+        load_rows(missing)
+
+
+# One row of the original DAPO-Math-17k, in its layout (the problem shortened)
+DAPO_ROW = {"data_source": "math_dapo", "ability": "MATH", "extra_info": {"index": "9a9b"},
+            "prompt": [{"role": "user",
+                        "content": 'Solve 1+1.\n\nRemember to put your answer on its own line after "Answer:".'}],
+            "reward_model": {"ground_truth": "2", "style": "rule-lighteval/MATH_v2"}}
+
+
+def test_load_rows_key_paths(tmp_path):
+    p = write(tmp_path, json.dumps(DAPO_ROW) + "\n")
+    assert load_rows(p, label_key="reward_model.ground_truth") == [{**DAPO_ROW, "label": "2"}]
+    p = write(tmp_path, '{"prompt": "q", "a.b": 1, "a": {"b": 2}}\n')
+    assert load_rows(p, label_key="a.b")[0]["label"] == "1"  # a top-level key of exactly that name wins
+    # deeper paths; and a key may replace its own field: {"prompt": {"text": ...}} becomes the text
+    p = write(tmp_path, '{"prompt": {"text": "q", "lang": "en"}, "meta": {"gold": {"value": 7}}}\n')
+    assert load_rows(p, prompt_key="prompt.text", label_key="meta.gold.value") == [
+        {"prompt": "q", "meta": {"gold": {"value": 7}}, "label": "7"}]
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "q", "reward_model": {"style": "rule"}},
+     "missing key 'reward_model.ground_truth': no 'ground_truth' in 'reward_model' (keys present: ['style'])"),
+    ({"prompt": "q", "rm": {"ground_truth": "2"}},
+     "missing key 'reward_model.ground_truth': no 'reward_model' at the top level (keys present: ['prompt', 'rm'])"),
+    ({"prompt": "q", "reward_model": "2"},
+     "missing key 'reward_model.ground_truth': 'reward_model' is a str, not an object"),
+    ({"prompt": "q", "reward_model": {"ground_truth": ["2"]}},
+     "'reward_model.ground_truth' must be a string or a number, got list"),
+    # the normalised field must not overwrite another field, nested key or not
+    ({"prompt": "q", "label": "x", "reward_model": {"ground_truth": "2"}},
+     "has both 'reward_model.ground_truth' (the label_key) and a 'label' field; copying 'reward_model.ground_truth' "
+     "to 'label' would overwrite it, so rename one of them"),
+])
+def test_load_rows_key_path_errors(tmp_path, row, message):
+    p = write(tmp_path, '{"prompt": "fine", "reward_model": {"ground_truth": "1"}}\n' + json.dumps(row) + "\n")
+    with pytest.raises(ValueError) as e:
+        load_rows(p, label_key="reward_model.ground_truth")
+    assert str(e.value) == f"{p}:2: {message}"
+
+
+def write_parquet(path, rows=None, table=None):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    pq.write_table(table if table is not None else pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_load_rows_parquet(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "PARQUET_BATCH_ROWS", 2)  # 5 rows: three batches
+    rows = [{**DAPO_ROW, "reward_model": {"ground_truth": str(i), "style": "rule"}} for i in range(5)]
+    p = write_parquet(tmp_path / "dapo.parquet", rows)
+    # nested structs come back as dicts, a list of structs as a list of messages
+    assert load_rows(p, label_key="reward_model.ground_truth") == [{**r, "label": str(i)} for i, r in enumerate(rows)]
+    p = write_parquet(tmp_path / "aime.PARQUET", [{"problem": "q1", "answer": 7}, {"problem": "q2", "answer": 80}])
+    assert load_rows(p, "problem", "answer") == [{"problem": "q1", "answer": 7, "prompt": "q1", "label": "7"},
+                                                 {"problem": "q2", "answer": 80, "prompt": "q2", "label": "80"}]
+    p = write(tmp_path, '{"prompt": "q", "label": "1"}\n', name="d.txt")  # any other extension: JSONL
+    assert load_rows(p) == [{"prompt": "q", "label": "1"}]
+
+
+def test_load_rows_parquet_errors(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "PARQUET_BATCH_ROWS", 2)
+    rows = [{"prompt": "a", "rm": {"gt": "1"}}] * 2 + [{"prompt": "c", "rm": {"gt": None}}]
+    p = write_parquet(tmp_path / "d.parquet", rows)
+    with pytest.raises(ValueError) as e:
+        load_rows(p, label_key="rm.gt")
+    assert str(e.value) == f"{p}:row 3: 'rm.gt' must be a string or a number, got NoneType"  # rows count from 1
+    with pytest.raises(ValueError) as e:
+        load_rows(p, label_key="rm.answer")
+    assert str(e.value) == f"{p}:row 1: missing key 'rm.answer': no 'answer' in 'rm' (keys present: ['gt'])"
+    bad = write(tmp_path, '{"prompt": "q", "label": "1"}\n', name="bad.parquet")
+    with pytest.raises(ValueError) as e:
+        load_rows(bad)
+    assert str(e.value).startswith(f"{bad}: cannot be read as Parquet (") and "\n" not in str(e.value)
+    import pyarrow as pa
+    empty = write_parquet(tmp_path / "empty.parquet", table=pa.table({"prompt": pa.array([], pa.string())}))
+    with pytest.raises(ValueError) as e:
+        load_rows(empty)
+    assert str(e.value) == f"{empty}: file is empty (expected at least one row)"
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # not installed
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ValueError) as e:
+        load_rows(p)
+    assert str(e.value) == f"{p}: reading a Parquet file needs pyarrow: pip install pyarrow"
+
+
+def test_load_rows_dedup(tmp_path, capsys):
+    rows = [{"prompt": "q1", "label": "1"}, {"prompt": "q2", "label": "2"}, {"prompt": "q1", "label": "1"},
+            {"prompt": "q1", "label": "9"},  # the same problem with another answer: dropped, and counted
+            {"prompt": [{"role": "user", "content": "m"}], "label": "3"},
+            {"prompt": [{"content": "m", "role": "user"}], "label": "3"}]  # the same messages
+    p = write(tmp_path, "".join(json.dumps({**r, "row": i}) + "\n" for i, r in enumerate(rows)))
+    assert [ex["row"] for ex in load_rows(p)] == [0, 1, 2, 3, 4, 5]  # off: every row
+    assert [ex["row"] for ex in load_rows(p, dedup=True)] == [0, 1, 4]  # the first row of each prompt
+    assert capsys.readouterr().out == ""  # not verbose
+    load_rows(p, dedup=True, verbose=True)
+    assert capsys.readouterr().out == (f"[data] {p}: 6 rows, 3 unique prompts: 3 repeats dropped, 1 of them with "
+                                       "another label than the first row's (kept)\n")
+    # the files of a split are one dataset
+    p2 = write(tmp_path, '{"prompt": "q2", "label": "2"}\n{"prompt": "q3", "label": "3"}\n', name="e.jsonl")
+    kept = load_rows([p, p2], dedup=True, verbose=True)
+    assert [ex["prompt"] for ex in kept] == ["q1", "q2", rows[4]["prompt"], "q3"]
+    assert capsys.readouterr().out.startswith(f"[data] {p} (+1 more): 8 rows, 4 unique prompts: 4 repeats dropped, 1 ")
+    # without a prompt key (data.env reads the rows) only whole rows repeat
+    p = write(tmp_path, '{"task": "a", "x": 1}\n{"task": "a", "x": 1}\n{"task": "a", "x": 2}\n')
+    assert load_rows(p, None, None, dedup=True, verbose=True) == [{"task": "a", "x": 1}, {"task": "a", "x": 2}]
+    assert capsys.readouterr().out == f"[data] {p}: 3 rows, 2 unique prompts: 1 repeats dropped\n"
+
+
+def test_eval_set_with_its_own_keys(tmp_path, tok, capsys):
+    import os
+
+    import config
+    aime = write(tmp_path, '{"problem": "1+1=", "answer": 2}\n{"problem": "2+2=", "answer": 4}\n'
+                           '{"problem": "1+1=", "answer": 2}\n', name="aime.jsonl")
+    train = write(tmp_path, json.dumps({"q": "3+3=", "reward_model": {"ground_truth": 6}}) + "\n", name="train.jsonl")
+    tiny = os.path.join(os.path.dirname(os.path.abspath(config.__file__)), "configs", "tiny_cpu.yaml")
+    cfg = config.load_config(tiny, [
+        f"data.train={train}", "data.prompt_key=q", "data.label_key=reward_model.ground_truth", "data.dedup=true",
+        f"data.eval={{aime: {{path: '{aime}', prompt_key: problem, label_key: answer}}, other: '{train}'}}"])
+    sets = config.eval_sets(cfg)
+    assert sets == {"aime": {"path": str(aime), "prompt_key": "problem", "label_key": "answer"}, "other": str(train)}
+    assert [data.spec_path(s) for s in sets.values()] == [str(aime), str(train)]
+
+    def load(spec):
+        return data.load_examples(spec, tok, cfg.data, split="eval", seed=0, sft=False, chat_template=True,
+                                  max_prompt_tokens=32)
+    assert load(sets["aime"]) == [{"problem": "1+1=", "answer": 2, "prompt": "1+1=", "label": "2"},
+                                  {"problem": "2+2=", "answer": 4, "prompt": "2+2=", "label": "4"}]
+    assert capsys.readouterr().out == (f"[data] {aime}: 3 rows, 2 unique prompts: 1 repeats dropped, 0 of them with "
+                                       "another label than the first row's (kept)\n")
+    # a set given as a file reads the data section's keys
+    assert load(sets["other"]) == [{"q": "3+3=", "reward_model": {"ground_truth": 6}, "prompt": "3+3=", "label": "6"}]
 
 
 # -----------------------------------------------------------------------------
@@ -378,6 +512,44 @@ def test_math_reward_deadline(monkeypatch):
     assert math_reward(box("3"), {"label": "3"}) == 1.0  # string matches never need the symbolic path
 
 
+@pytest.mark.parametrize("response, label, boxed_only, with_answer_line", [
+    ("Adding them gives 34.\nAnswer: 34", "34", 0.0, 1.0),  # DAPO's format
+    ("So\nAnswer: $\\frac{1}{2}$", "\\frac{1}{2}", 0.0, 1.0),
+    ("So\nAnswer: $\\frac{1}{2}$.", "0.5", 0.0, 1.0),  # the symbolic check, as for boxes
+    ("So\nAnswer: 1,000", "1000", 0.0, 1.0),  # the same normalisation as boxes
+    ("**Answer:** 34", "34", 0.0, 1.0),
+    ("so the final answer: 34.", "34", 0.0, 1.0),  # any case, as DAPO's grader
+    ("Answer:\n\n34", "34", 0.0, 1.0),  # ... whose answer may start on a later line
+    ("Answer: 3, no: Answer: 5", "5", 0.0, 1.0),  # the last "Answer:", also within one line
+    ("\\boxed{3}\nAnswer: 34", "34", 0.0, 1.0),  # of a box and an answer line, the later one counts
+    ("\\boxed{3}\nAnswer: 34", "3", 1.0, 0.0),
+    ("Answer: 34\nNo, wait: \\boxed{35}", "35", 1.0, 1.0),
+    ("Answer: 34\nNo, wait: \\boxed{35}", "34", 0.0, 0.0),
+    ("Answer: \\boxed{5}", "5", 1.0, 1.0),
+    ("Answer: 5\n\\boxed{5", "5", 0.0, 1.0),  # a box cut off: the answer line
+    ("<think>Answer: 7</think>Answer: 8", "8", 0.0, 1.0),
+    ("<think>Answer: 7</think>Answer: 8", "7", 0.0, 0.0),  # inside the thoughts it does not count
+    ("<think>Answer: 7", "7", 0.0, 0.0),  # never finished thinking
+    ("The answer is 34", "34", 0.0, 0.0),
+    ("Answer:", "5", 0.0, 0.0),
+    ("Answer: $$.", "5", 0.0, 0.0),
+    (box("42"), "42", 1.0, 1.0),  # boxed answers grade as before
+])
+def test_math_reward_answer_line(response, label, boxed_only, with_answer_line):
+    ex = {"prompt": "p", "label": label}
+    assert math_reward(response, ex) == boxed_only
+    assert math_reward(response, ex, answer_line=True) == with_answer_line
+    assert data.math_reward_answer_line(response, ex) == with_answer_line
+
+
+def test_last_answer_line_is_fast():
+    t = time.time()
+    for text in ["Answer:" + " " * 100_000, "Answer:" + "\n" * 100_000, "Answer: " * 50_000, "answer \n" * 50_000]:
+        assert data.last_answer_line(text) is None
+    assert data.last_answer_line("x\n" * 50_000 + "Answer: 34") == (100_000, "34")
+    assert time.time() - t < 1.0
+
+
 # -----------------------------------------------------------------------------
 # The reward hook
 
@@ -411,6 +583,18 @@ def test_load_reward_default():
     assert load_reward("data:math_reward") is math_reward
 
 
+def test_load_reward_answer_line(modules):
+    # data.answer_line binds the built-in grader; the hook keeps its two arguments
+    fn = load_reward("data:math_reward", answer_line=True)
+    assert fn is data.math_reward_answer_line and fn("So\nAnswer: 34", {"label": "34"}) == 1.0
+    assert load_reward("data:math_reward")("So\nAnswer: 34", {"label": "34"}) == 0.0
+    modules("my_rewards", "def f(response, example):\n    return 1.0\n")
+    with pytest.raises(ValueError) as e:
+        load_reward("my_rewards:f", answer_line=True)  # would be ignored
+    assert str(e.value) == ("data.answer_line: only the built-in data:math_reward reads it, and data.reward is "
+                            "'my_rewards:f'; grade 'Answer:' lines in that function instead")
+
+
 def test_load_reward_from_working_directory(modules, tmp_path):
     modules("my_rewards", """
         def length_penalty(response, example, scale=0.01):
@@ -440,7 +624,7 @@ def test_load_reward_extra_field_reaches_the_reward(modules, tmp_path):
     """)
     p = write(tmp_path, '{"prompt": "1+1=", "label": 2, "difficulty": "easy"}\n'
                         '{"prompt": "9*9=", "label": "81", "difficulty": "hard"}\n')
-    easy, hard = load_jsonl(p)
+    easy, hard = load_rows(p)
     fn = load_reward("graded:by_difficulty")
     assert [fn(box("2"), easy), fn(box("81"), hard), fn(box("80"), hard)] == [0.5, 2.0, 0.0]
 

@@ -50,13 +50,14 @@ def test_memory_plan_items_against_hand_formulas():
     assert fsdp["fp32 grads, trainable (1/2)"] == 4 * Pt // 2
     assert fsdp["AdamW exp_avg + exp_avg_sq fp32 (1/2)"] == 2 * 4 * Pt // 2
     assert fsdp["bf16 root (embed, norm, lm_head), gathered all step"] == 2 * (2 * 97 * 48 + 48)
-    assert dict(tiny_plan(reference=True).learner)["reference model fp32 (1/2)"] == 4 * P // 2
+    fp32_indexer = 2 * (2 * 8 + 48 * 2)  # k_norm [8] x2 and weights_proj [2, 48] on the 2 F layers
+    assert dict(tiny_plan(reference=True).learner)["KL reference bf16 (1/2): bf16 is what the forward uses"] == \
+        (2 * P + 2 * fp32_indexer) // 2
     ddp = dict(tiny_plan(parallel="ddp", trainable_indexer=True).learner)
     assert ddp["fp32 weights"] == 4 * P and ddp["fp32 grads, trainable"] == 4 * P
     assert ddp["AdamW exp_avg + exp_avg_sq fp32"] == 8 * P
     assert ddp["DDP gradient buckets fp32 (a second copy of the grads)"] == 4 * P
     gen = dict(tiny_plan().generator)
-    fp32_indexer = 2 * (2 * 8 + 48 * 2)  # k_norm [8] x2 and weights_proj [2, 48] on the 2 F layers
     assert gen["bf16 weights (indexer weights_proj, k_norm fp32)"] == 2 * P + 2 * fp32_indexer
     # KV pool of 3 rows x 40 slots, each row in 3 blocks of 16, and the scratch block: 160 slots, keys + values
     # [160, 2, 16] on 3 layers, indexer keys [160, 8] on the 2 F layers
@@ -102,3 +103,36 @@ def test_memory_plan_9b_recipe_on_h100():
     assert problem.startswith("learner") and "train.parallel" in problem
     sglang = memory_plan(NINE_B, **(RECIPE | {"engine": "sglang", "sglang_mem_fraction": 0.8}))
     assert sglang.problems(H100) == [] and "KV pool" in sglang.text(H100)
+
+
+def test_load_time_peak_is_the_weights_once_plus_one_tensor():
+    """GLM.from_pretrained allocates every tensor once, in its final dtype (FSDP: only the rank's rows), then
+    copies the file's tensors in one at a time: the largest is the MLP's gate_up [2 x 80, 48]."""
+    P, _ = hand_counts(TINY)
+    fp32_indexer = 2 * (2 * 8 + 48 * 2)
+    big = 2 * 80 * 48
+    plan = tiny_plan()
+    assert dict(plan.learner_load) == {"fp32 weights (1/2)": 4 * P // 2, "one tensor's rows copied in": 4 * big // 2,
+                                       "CUDA context, NCCL, fragmentation": 3 * 2**30}
+    assert dict(tiny_plan(parallel="ddp").learner_load)["fp32 weights"] == 4 * P
+    ref = dict(tiny_plan(reference=True).learner_load)
+    assert ref["reference bf16 (1/2)"] == (2 * P + 2 * fp32_indexer) // 2
+    assert ref["saving the reference: one gathered fp32 tensor"] == 4 * big
+    assert dict(plan.generator_load)["bf16 weights"] == 2 * P + 2 * fp32_indexer
+    text = memory_plan(NINE_B, **RECIPE).text(H100)
+    assert text.count("total at the load-time peak") == 2 and text.count("total at the step-time peak") == 2
+
+
+def test_one_gpu_for_both_must_fit_their_sum():
+    """Generator and learner on one GPU: the plan adds them up (one CUDA context between them) and says, in one
+    line, which side to lower; each alone fitting is not enough."""
+    small = dict(generator_batch=4, generator_max_len=64, max_new_tokens=32, micro_batch_tokens=64)
+    plan = tiny_plan(shared=True, **small)
+    both = plan.learner_bytes() + plan.generator_bytes() - 3 * 2**30
+    assert plan.problems(both) == [] and "one GPU for both" in plan.text(both)
+    (line,) = plan.problems(both - 1)  # a byte short: refused, although each side alone fits
+    assert max(plan.learner_bytes(), plan.generator_bytes()) <= both - 1
+    assert line.startswith("the generator") and "share one GPU" in line and "rollout.kv_cache_tokens" in line
+    assert tiny_plan(**small).problems(both - 1) == []  # on two GPUs of that size: fine
+    (line,) = memory_plan(NINE_B, **(RECIPE | {"shared": True, "learner_gpus": 1, "generator_batch": 8})).problems(H100)
+    assert "the learner alone does not fit" in line and "\n" not in line  # 9B in full on one H100: never

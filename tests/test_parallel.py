@@ -1,8 +1,15 @@
 """Tests for parallel.py in one process (the multi-process paths run in tests/test_train.py under
 torchrun): the non-finite guard's count of skipped steps, and the micro-batch evening."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
+import torch
 
 import parallel
+from model import GLM, GLMConfig
 
 
 def test_skips_in_a_row_stop_with_one_line():
@@ -21,3 +28,59 @@ def test_skips_in_a_row_stop_with_one_line():
 def test_micro_batches_in_one_process_are_the_groups():
     assert parallel.micro_batches(None, [[0, 1], [2]]) == [(0, [0, 1]), (1, [2])]
     assert parallel.combine_ranks({"train/tokens": 5, "train/loss": 1.5}) == {"train/tokens": 5, "train/loss": 1.5}
+
+
+# ----------------------------------------------------------------------------- loading sharded
+# torchrun with gloo on the CPU: each of 2 FSDP ranks loads only its rows of every tensor
+# (parallel.load_learner); gathered, the model must equal one process's from_pretrained, bit for bit.
+# This file is the worker: `torchrun ... tests/test_parallel.py CKPT OUT DSA TIED`.
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+DSA = {"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}
+
+
+def save_tiny(path, dsa, tied):
+    """A 3-layer model whose tensors have row counts that 2 ranks split unevenly (vocab 37, kv 2x8)."""
+    torch.manual_seed(0)
+    cfg = GLMConfig(vocab_size=37, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
+                    head_dim=8, eos_token_id=[1], pad_token_id=0, dsa=dsa, tie_word_embeddings=tied)
+    model = GLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # every tensor distinct (norms and biases included)
+    model.save_pretrained(path)
+
+
+def load(ckpt, dsa):
+    torch.manual_seed(1)  # what train.py does before loading: a fresh indexer's init draws from it
+    return parallel.load_learner(ckpt, dsa, torch.device("cpu"), "fsdp")
+
+
+@pytest.mark.parametrize("saved, loaded, tied", [(DSA, None, False), (None, DSA, False), (None, None, True)])
+def test_two_fsdp_ranks_load_only_their_shards_and_match_one_process(saved, loaded, tied, tmp_path):
+    """(saved, loaded): a DSA checkpoint as is; a dense one turned DSA (fresh indexers, drawn whole from the
+    seed on every rank, each keeping its rows); tied embeddings."""
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "weights.pt")
+    save_tiny(ckpt, saved, tied)
+    p = subprocess.run([*TORCHRUN, "tests/test_parallel.py", ckpt, out, json.dumps(loaded), str(tied)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=os.environ | {"PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr[-3000:]
+    two, one = torch.load(out), dict(load(ckpt, loaded).named_parameters())
+    assert two.pop("shards") and set(two) == set(one)
+    for name in one:
+        assert torch.equal(two[name], one[name].detach()), name
+
+
+if __name__ == "__main__":  # the worker
+    ckpt, out, dsa, tied = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "True"
+    parallel.init_processes(torch.device("cpu"))
+    model = load(ckpt, dsa)
+    # each rank holds only its rows: its local shards add up to about half of the model
+    local = sum(p.to_local().numel() for p in model.parameters())
+    assert local < 0.6 * sum(p.numel() for p in model.parameters()), local
+    assert tied == (model.lm_head.weight is model.embed_tokens.weight)
+    full = {k: v.clone() for k, v in parallel.full_weights(model)}
+    if parallel.rank() == 0:
+        torch.save(full | {"shards": True}, out)
+    torch.distributed.destroy_process_group()
