@@ -132,8 +132,8 @@ class OptimConfig:
     max_skipped_steps: int = 5  # a step with a non-finite loss or gradient is skipped; this many in a row stop the run
     # Learner token budget: one micro-batch is one packed row of at most this many tokens. At 9B, 16K is one
     # or two maximal responses (1K prompt + 8K) or many short ones: fewer passes, each of which gathers every
-    # layer under FSDP. --dry-run of glm9b_math: 55.9 of 74.5 GiB per learner GPU (69.4 with a KL reference
-    # and DSA); a larger budget would leave the KL reference no room.
+    # layer under FSDP. --dry-run of glm9b_math: 55.9 of 74.5 GiB per learner GPU (64.9 with a bf16 KL
+    # reference and DSA); a larger budget would leave the KL reference no room.
     max_tokens_per_micro_batch: int = 16384
     warmup_steps: int = 0  # linear lr warm-up over this many steps at the start of every stage
     sft_lr: float = 1e-5  # supervised warm-up learning rate
@@ -460,7 +460,9 @@ def eval_sets(cfg: Config) -> dict:
     file; data.load_examples reads either)."""
     if isinstance(cfg.data.eval, dict):
         return dict(cfg.data.eval)
-    return {os.path.splitext(os.path.basename(cfg.data.eval))[0]: cfg.data.eval}
+    hub_id = hub.data_id(cfg.data.eval)  # a Hub dataset: its file's stem, or name-split (never the revision)
+    name = (os.path.basename(hub_id[2]) if hub_id[2] else f"{hub_id[0].split('/')[1]}-{hub_id[3]}") if hub_id else cfg.data.eval
+    return {os.path.splitext(os.path.basename(name))[0]: cfg.data.eval}
 
 
 # ----------------------------------------------------------------------------- the memory plan

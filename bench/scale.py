@@ -166,7 +166,7 @@ def main():
     # ---- generator: a second copy in the engine's dtype (engine.make_engine: bf16 on cuda, fp32 on CPU)
     gen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
-        gen_model = GLM(arch).to(gen_dtype)
+        gen_model = GLM(arch).cast_(gen_dtype)  # as engine.make_engine: dsa.FP32_PARAMS stay fp32
     engine = TorchEngine(gen_model.to_empty(device=device), max_batch=max(batches), graphs=device.type == "cuda")
     engine.update_weights(parallel.full_weights(learner, gen_dtype), 0)  # fills the empty copy (and warms up)
     publish_s = []

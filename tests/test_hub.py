@@ -83,6 +83,9 @@ def test_fetch_pins_the_commit_and_reads_splits(cache):
     assert [os.path.basename(f) for f in files] == ["train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl"]
     config.check_paths(cfg)
     assert config.architecture(cfg).num_layers == 2  # the cached config.json
+    for spec, name in (("owner/sums@abc/data/test.jsonl", "test"), ("owner/sums@abc:test", "sums-test")):
+        cfg.data.eval = spec  # a single Hub eval set is named by its file or split, pinned or not
+        assert config.eval_sets(cfg) == {name: spec}
 
 
 @pytest.mark.parametrize("key, spec, message", [

@@ -99,6 +99,38 @@ def test_sharded_checkpoint_loads(pair, tmp_path):
         assert torch.equal(a, b), n
 
 
+def test_loading_holds_each_weight_once_in_its_final_dtype(pair):
+    """from_pretrained allocates every tensor once, in the dtype it keeps, and copies the file's tensors in one
+    at a time: a bf16 generator never holds an fp32 model (before, the meta model was fp32, so to_empty allocated
+    4 bytes a weight before the cast, and every loaded tensor sat beside its freshly allocated copy). Every
+    tensor an op makes is watched through a weak reference; the fp32 bytes alive at once must stay within the
+    largest tensor (the one being read from the fp32 file) plus the weights that stay fp32 (dsa.FP32_PARAMS)."""
+    import weakref
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Live(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.alive, self.peak = {}, 0  # storage pointer -> (weak ref, bytes) of fp32 tensors
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.device.type == "cpu":
+                    self.alive[t.untyped_storage().data_ptr()] = (weakref.ref(t), t.untyped_storage().nbytes())
+            self.alive = {k: v for k, v in self.alive.items() if v[0]() is not None}
+            self.peak = max(self.peak, sum(b for _, b in self.alive.values()))
+            return out
+    _, ours, path = pair
+    with Live() as seen:
+        bf16 = GLM.from_pretrained(path, dtype=torch.bfloat16)
+    largest = max(p.numel() * 4 for p in ours.parameters())
+    kept_fp32 = sum(p.numel() * 4 for p in bf16.parameters() if p.dtype == torch.float32)
+    assert 0 < seen.peak <= largest + kept_fp32 < sum(p.numel() * 4 for p in ours.parameters()) / 2
+    for (n, a), b in zip(ours.state_dict().items(), bf16.state_dict().values()):
+        assert torch.equal(a.to(torch.bfloat16), b), n
+
+
 def test_bad_checkpoints_name_the_tensor(pair, tmp_path):
     _, ours, path = pair
     state = load_file(os.path.join(path, "model.safetensors"))

@@ -1,0 +1,349 @@
+#!/usr/bin/env bash
+# bench/gpu.sh: one command that measures what has never run on a GPU, most important first, each part
+# under its own `timeout`, writing its results into OUTDIR as it goes, in under 10 minutes in all.
+#
+#   bash bench/gpu.sh OUTDIR                 # on a CUDA machine: every part
+#   bash bench/gpu.sh --dry OUTDIR           # plan every part, run the CPU-cheap ones (automatic without CUDA)
+#   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
+#   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
+#
+# Parts (their timeouts: T1 ... T5, T4a ... T4d; all of them within BUDGET seconds from the start):
+#   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
+#       CUDA branch when there is one, found in tests/ by name, plus the sm_90 compile of the Triton kernels. They
+#       are the only tests that run dsa_triton's kernels compiled on a GPU: tests/test_dsa_triton.py runs them
+#       in Triton's interpreter on CPU tensors, on a GPU machine too.
+#   2   bench/parity.py: teacher-forced logprobs of the learner (bf16 autocast), the generator's prefill (bf16
+#       weights) and TorchEngine (CUDA graphs) against a float64 reference; tiny and 9B-width, dense and DSA
+#   3   bench/gpu_memory.py: each phase's peak memory on a 4-layer cut of GLM-Z1-9B beside memory.memory_plan
+#   4   bench/scale.py, with and without the Triton kernels: 4a/4b dense, 4c/4d DSA (sequences past top-k)
+#   5   the tiny default run on one GPU (configs/tiny_cpu.yaml), its final held-out accuracy against the README's
+#       CPU seeds
+# Files: OUTDIR/<part>_*.log (+ .json / .md / .xml), OUTDIR/status.tsv, and OUTDIR/summary.md (rewritten after
+# every part; merge it by hand into docs/benchmarks.md). What needs more than one GPU is printed, not run.
+#
+# Dependencies: the GPU machine brings its own CUDA torch, transformers, triton, pytest, safetensors, pyyaml,
+# tqdm, numpy, but no network and no math-verify (data.py imports it). Fill the git-ignored wheels/ folder on a
+# machine with network and carry it along; gpu.sh installs wheels/*.whl first (pip install --no-index --no-deps
+# --target <a temp dir>, put on PYTHONPATH):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 -d wheels \
+#       math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+# All three are pure Python (py3-none-any wheels; sympy and mpmath come with torch). A compiled package would
+# also need --platform manylinux2014_x86_64 --implementation cp --abi cp312. Without math-verify gpu.sh says
+# so and puts a stub math_verify on PYTHONPATH: data.math_reward grades integer answers (the tiny task's) without
+# it, and what it would hand to math-verify then scores 0.
+set -u -o pipefail
+
+DRY=0; PARTS=""; OUT=""
+while (($#)); do
+    case "$1" in
+        --dry) DRY=1 ;;
+        --parts) PARTS="${2:?--parts needs a list, e.g. 1,2,4a}"; shift ;;
+        --parts=*) PARTS="${1#--parts=}" ;;
+        -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        -*) echo "gpu.sh: unknown option $1 (--dry, --parts LIST)" >&2; exit 2 ;;
+        *) [[ -z "$OUT" ]] || { echo "gpu.sh: one OUTDIR only" >&2; exit 2; }; OUT="$1" ;;
+    esac
+    shift
+done
+[[ -n "$OUT" ]] || { echo "usage: bash bench/gpu.sh [--dry] [--parts LIST] OUTDIR" >&2; exit 2; }
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 2
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)" || exit 2
+PY="${PYTHON:-}"
+if [[ -z "$PY" ]]; then command -v python >/dev/null && PY=python || PY=python3; fi
+START=$SECONDS
+BUDGET="${BUDGET:-560}"  # seconds for everything: the parts' timeouts are cut to what is left of it
+STATUS="$OUT/status.tsv"
+if [[ -n "$PARTS" && -f "$STATUS" ]]; then  # a rerun of some parts into the same OUTDIR keeps the others' results
+    awk -F'\t' -v p=",$PARTS," 'NR == 1 || (index(p, "," $1 ",") == 0 && index(p, "," substr($1, 1, 1) ",") == 0)' \
+        "$STATUS" > "$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS"
+else
+    printf 'part\tname\tstatus\trc\tseconds\ttimeout\tlog\n' > "$STATUS"
+    rm -rf "$OUT/summary.d"
+fi
+mkdir -p "$OUT/summary.d"
+
+say() { echo "[gpu.sh] $*"; }
+
+# ---------------------------------------------------------------------------------------------------------- setup
+DEPS="$(mktemp -d "${TMPDIR:-/tmp}/gpu_sh_deps.XXXXXX")"
+trap 'rm -rf "$DEPS"' EXIT
+shopt -s nullglob
+WHEELS=(wheels/*.whl)
+shopt -u nullglob
+DEPS_NOTE=""
+if ((${#WHEELS[@]})); then
+    say "installing ${#WHEELS[@]} wheel(s) from wheels/ into $DEPS (pip --no-index --no-deps --target)"
+    if "$PY" -m pip install -q --no-index --no-deps --target "$DEPS" "${WHEELS[@]}" > "$OUT/0_wheels.log" 2>&1; then
+        export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+        DEPS_NOTE="installed from wheels/: $(cd wheels && ls *.whl | xargs)"
+    else
+        say "pip install of wheels/ failed (see $OUT/0_wheels.log)"; DEPS_NOTE="pip install of wheels/ FAILED"
+    fi
+fi
+MISSING="$("$PY" - <<'EOF'
+import importlib.util
+need = {"torch": "torch", "transformers": "transformers", "triton": "triton", "pytest": "pytest", "safetensors": "safetensors",
+        "yaml": "pyyaml", "tqdm": "tqdm", "numpy": "numpy", "math_verify": "math-verify",
+        "latex2sympy2_extended": "latex2sympy2_extended", "antlr4": "antlr4-python3-runtime"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+EOF
+)"
+if [[ -n "$MISSING" ]]; then
+    say "missing python packages: $MISSING"
+    DEPS_NOTE="${DEPS_NOTE:+$DEPS_NOTE; }missing: $MISSING"
+fi
+if [[ " $MISSING " == *" math-verify "* ]]; then
+    mkdir -p "$DEPS/stub/math_verify"
+    cat > "$DEPS/stub/math_verify/__init__.py" <<'EOF'
+"""A stand-in written by bench/gpu.sh: math-verify is not installed (fill wheels/, see bench/gpu.sh). data.math_reward
+grades integer answers without it; an answer it would hand to math-verify scores 0."""
+
+
+def parse(*args, **kwargs):
+    raise RuntimeError("math-verify is not installed (bench/gpu.sh's stub)")
+
+
+def verify(*args, **kwargs):
+    raise RuntimeError("math-verify is not installed (bench/gpu.sh's stub)")
+EOF
+    export PYTHONPATH="$DEPS/stub${PYTHONPATH:+:$PYTHONPATH}"
+    say "math-verify is missing: a stub math_verify is on PYTHONPATH (integer answers grade as before; symbolic ones score 0)"
+    DEPS_NOTE="$DEPS_NOTE (a stub math_verify stood in: symbolic answers scored 0)"
+fi
+[[ -n "$DEPS_NOTE" ]] || DEPS_NOTE="all present"
+
+NVSMI=0; command -v nvidia-smi >/dev/null && NVSMI=1
+NVSMI=$NVSMI "$PY" - > "$OUT/0_env.log" 2>&1 <<'EOF'
+import os, platform, sys
+from importlib.metadata import PackageNotFoundError, version
+def v(pkg):
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return "not installed"
+n = 0
+if os.environ["NVSMI"] == "1":  # (without nvidia-smi there is no GPU to find: torch is not even imported)
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = f" (CUDA {torch.version.cuda})"
+else:
+    cuda = " (no nvidia-smi)"
+print(f"python {sys.version.split()[0]} on {platform.node()}, torch {v('torch')}{cuda}, triton {v('triton')}, "
+      f"transformers {v('transformers')}")
+for i in range(n):
+    p = torch.cuda.get_device_properties(i)
+    print(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB, {p.multi_processor_count} SMs, sm_{p.major}{p.minor}")
+print(f"cuda devices: {n}")
+EOF
+CUDA="$(sed -n 's/^cuda devices: //p' "$OUT/0_env.log")"
+CUDA="${CUDA:-0}"  # (torch failed to import: the log says why)
+if [[ "$CUDA" == "0" && $DRY == 0 ]]; then
+    say "no CUDA device (torch.cuda.is_available() is False): dry mode"
+    DRY=1
+fi
+[[ $NVSMI == 1 ]] && nvidia-smi >> "$OUT/0_env.log" 2>&1
+say "$(head -1 "$OUT/0_env.log"); $CUDA CUDA device(s); $([[ $DRY == 1 ]] && echo 'DRY mode' || echo 'GPU mode'); budget ${BUDGET}s"
+sed -n 's/^\(cuda:.*\)/[gpu.sh]   \1/p' "$OUT/0_env.log"
+
+# The GPU-only tests, found by their source: a skipif on torch.cuda.is_available(), or a CUDA branch in the body
+GPU_TESTS="$("$PY" - <<'EOF'
+import ast, glob
+ids = []
+for path in sorted(glob.glob("tests/test_*.py")):
+    with open(path) as f:
+        src = f.read()
+    for node in ast.parse(src).body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            text = ast.get_source_segment(src, node) + " ".join(ast.unparse(d) for d in node.decorator_list)
+            if "cuda.is_available" in text or node.name == "test_kernels_compile_for_h100":
+                ids.append(f"{path}::{node.name}")
+print(" ".join(ids))
+EOF
+)"
+
+# ---------------------------------------------------------------------------------------------------------- parts
+wanted() { [[ -z "$PARTS" ]] || [[ ",$PARTS," == *",$1,"* ]] || [[ ",$PARTS," == *",${1:0:1},"* ]]; }
+
+record() {  # part name status rc seconds timeout log: one line of status.tsv, then summary.md again
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS"
+    write_summary
+}
+
+# run_part ID NAME TIMEOUT NEEDS_CUDA COMMAND [EXTRACT]: runs COMMAND (bash) under timeout, output to
+# OUTDIR/ID_*.log and the terminal; EXTRACT (a function) then writes the part's summary fragment
+run_part() {
+    local id="$1" name="$2" limit="$3" cuda="$4" cmd="$5" extract="${6:-}"
+    local var="T$id"; limit="${!var:-$limit}"
+    local log="$OUT/${id}_$(echo "$name" | tr -c 'a-zA-Z0-9\n' '_' | sed 's/_*$//').log"
+    local frag="$OUT/summary.d/$id.md"
+    wanted "$id" || return 0
+    echo
+    say "---- part $id: $name (timeout ${limit}s)"
+    say "     \$ $cmd"
+    if [[ $cuda == 1 && $DRY == 1 ]]; then
+        say "SKIP part $id ($name): needs CUDA ($([[ "$CUDA" == 0 ]] && echo 'no CUDA device' || echo '--dry'))"
+        printf '#### %s. %s\n\nSkipped: needs CUDA. Command (timeout %ss):\n\n    %s\n' "$id" "$name" "$limit" "$cmd" > "$frag"
+        record "$id" "$name" "skipped (needs CUDA)" "" "" "$limit" ""
+        return 0
+    fi
+    local left=$((BUDGET - (SECONDS - START) - 5))
+    if ((left < 15)); then
+        say "SKIP part $id ($name): out of the ${BUDGET}s budget (rerun with --parts $id)"
+        printf '#### %s. %s\n\nNot run: out of the %ss budget. Command:\n\n    %s\n' "$id" "$name" "$BUDGET" "$cmd" > "$frag"
+        record "$id" "$name" "skipped (out of budget)" "" "" "$limit" ""
+        return 0
+    fi
+    ((limit > left)) && { say "timeout cut to ${left}s (budget)"; limit=$left; }
+    local t0=$SECONDS rc
+    timeout --kill-after=15 "$limit" bash -c "$cmd" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    local took=$((SECONDS - t0)) status
+    case $rc in
+        0) status="ok" ;;
+        124|137) status="TIMEOUT" ;;
+        *) status="FAILED (exit $rc)" ;;
+    esac
+    say "part $id: $status in ${took}s (log: $log)"
+    {
+        printf '#### %s. %s\n\n%s in %ss (timeout %ss). Command:\n\n    %s\n\n' "$id" "$name" "$status" "$took" "$limit" "$cmd"
+        [[ -n "$extract" ]] && "$extract" "$log"
+    } > "$frag"
+    record "$id" "$name" "$status" "$rc" "$took" "$limit" "$(basename "$log")"
+}
+
+write_summary() {
+    {
+        echo "### bench/gpu.sh results, $(date -u '+%Y-%m-%d %H:%M UTC')"
+        echo
+        echo "Machine: $(head -1 "$OUT/0_env.log")$(sed -n 's/^\(cuda:.*\)/; \1/p' "$OUT/0_env.log" | tr -d '\n')."
+        echo "Mode: $([[ $DRY == 1 ]] && echo 'dry (no CUDA parts run)' || echo 'GPU'). Python dependencies: $DEPS_NOTE."
+        echo
+        echo "| part | what | status | seconds | timeout | log |"
+        echo "|---|---|---|---:|---:|---|"
+        tail -n +2 "$STATUS" | sort -t$'\t' -k1,1 | while IFS=$'\t' read -r p n s rc sec lim lg; do
+            echo "| $p | $n | $s | $sec | $lim | $lg |"
+        done
+        echo
+        for f in "$OUT"/summary.d/*.md; do
+            [[ -e "$f" ]] && { cat "$f"; echo; }
+        done
+        multi_gpu
+    } > "$OUT/summary.md.tmp" && mv "$OUT/summary.md.tmp" "$OUT/summary.md"
+}
+
+multi_gpu() {
+    cat <<EOF
+#### Not run here: more than one GPU
+
+These need NCCL and several GPUs (train.pairs generator/learner pairs: 2 GPUs each); run them by hand on such a box:
+
+    python train.py train.pairs=2 run_dir=runs/tiny_pairs2                       # 4 GPUs: 2 processes, NCCL, DDP learners
+    python train.py train.pairs=2 train.parallel=fsdp run_dir=runs/tiny_fsdp2    # the same with FSDP2 learners
+    torchrun --nproc-per-node 4 bench/scale.py --device cuda --layers 4           # FSDP2 learner over 4 GPUs
+    python train.py --config configs/glm9b_math.yaml --dry-run                   # the recipe's plan (no GPU needed)
+    python train.py --config configs/glm9b_math.yaml                             # the recipe: 8 GPUs, 4 pairs, FSDP2
+                                                                                 # (checkpoints/GLM-Z1-9B-0414 and data/ first)
+EOF
+}
+
+# Extractors: what of a part's output goes into summary.md
+x_tests() {
+    grep -E '^(FAILED|ERROR|SKIPPED)' "$1" | head -20 | sed 's/^/    /'
+    local last; last="$(grep -E '(passed|failed|error|skipped|no tests ran)' "$1" | tail -1)"
+    echo; echo "pytest: ${last:-no summary line (see the log)}"
+    if [[ $DRY == 0 && "$last" == *skipped* ]]; then  # on a GPU machine none of them should skip
+        echo; echo "**Tests skipped on a CUDA machine: they did not run (the reasons are above).**"
+    fi
+}
+x_md() {  # the markdown a script wrote beside its log (same stem, .md)
+    local md="${1%.log}.md"
+    [[ -s "$md" ]] && cat "$md" || { echo "No table (see the log); its last lines:"; echo; tail -5 "$1" | sed 's/^/    /'; }
+}
+x_scale() {
+    grep -E '^(\||### )' "$1" || { echo "No table (see the log); its last lines:"; echo; tail -5 "$1" | sed 's/^/    /'; }
+}
+x_tiny() {
+    "$PY" - "$OUT/5_tiny" <<'EOF'
+import json, os, statistics, sys
+run = sys.argv[1]
+path = os.path.join(run, "metrics.jsonl")
+rows = [json.loads(l) for l in open(path) if l.strip()] if os.path.exists(path) else []
+evals = [r for r in rows if r.get("stage") == "rl" and "eval/synthetic/accuracy" in r]
+# README.md: final sampled held-out accuracy of the default run, seeds 0-4 on a 2-core CPU (AVX512-BF16)
+seeds = [42.6, 45.7, 42.3, 60.2, 59.4]
+mean, sd = statistics.mean(seeds), statistics.stdev(seeds)
+lo, hi = mean - 2 * sd, mean + 2 * sd
+if not evals:
+    print(f"No RL eval in {path}: the run did not reach RL step 0 (see the log).")
+    sys.exit(0)
+last = evals[-1]
+acc, greedy, step = 100 * last["eval/synthetic/accuracy"], last.get("eval/synthetic/greedy_accuracy"), last["step"]
+rl_steps = max((r["step"] for r in rows if r.get("stage") == "rl"), default=0)
+try:  # the run's own length (the recipe's train.rl_steps: 250)
+    import yaml
+    total = yaml.safe_load(open(os.path.join(run, "config.yaml")))["train"]["rl_steps"]
+except Exception:  # noqa: BLE001 - no config.yaml: the recipe's
+    total = 250
+print("| RL step | " + " | ".join(str(r["step"]) for r in evals) + " |")
+print("|---|" + "---:|" * len(evals))
+print("| sampled (T = 2.0) | " + " | ".join(f"{100 * r['eval/synthetic/accuracy']:.1f}%" for r in evals) + " |")
+if greedy is not None:
+    print("| greedy | " + " | ".join(f"{100 * r.get('eval/synthetic/greedy_accuracy', float('nan')):.1f}%" for r in evals) + " |")
+print()
+done = step >= total
+where = "inside" if lo <= acc <= hi else "OUTSIDE"
+print(f"{'Final' if done else f'Last (RL step {step} of {total}; the run stopped at step {rl_steps})'} sampled held-out accuracy "
+      f"{acc:.1f}%{f', greedy {100 * greedy:.1f}%' if greedy is not None else ''}: **{where}** the CPU seeds' band "
+      f"{lo:.1f}-{hi:.1f}% (mean {mean:.1f} +- 2 x {sd:.1f} over seeds 0-4, README.md; they ranged "
+      f"{min(seeds)}-{max(seeds)}%, greedy 55-81%). The GPU runs bf16 (generator weights, learner autocast), the CPU "
+      "fp32, so seed 0 samples other trajectories: only the band is comparable."
+      + ("" if done else " Not final: compare only a finished run."))
+s = [r.get("perf/step_s") for r in rows if r.get("stage") == "rl" and r.get("perf/step_s")]
+if s:
+    print(f"\nRL step time: median {statistics.median(s):.3f} s over {len(s)} steps; run elapsed "
+          f"{rows[-1].get('time/elapsed_s', float('nan')):.0f} s.")
+EOF
+}
+
+# ------------------------------------------------------------------------------------------------ the five parts
+say "plan: parts 1 (GPU-only tests), 2 (parity), 3 (memory), 4a-4d (speed), 5 (tiny run); budget ${BUDGET}s"
+if [[ $DRY == 1 ]]; then
+    say "part 1 would run: ${GPU_TESTS:-none found}"
+fi
+
+TESTS_CMD="$PY -m pytest -q -rs -p no:cacheprovider --junitxml=$OUT/1_GPU_only_tests.xml $GPU_TESTS"
+[[ -n "$GPU_TESTS" ]] || TESTS_CMD="echo 'no GPU-only tests found in tests/'; exit 1"  # never the whole suite
+run_part 1 "GPU-only tests" 75 1 "$TESTS_CMD" x_tests
+
+if [[ $DRY == 1 ]]; then
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tiny CPU work: one thread each, not a fight over shared cores
+    run_part 2 "parity" 90 0 \
+        "$PY bench/parity.py --device cpu --shapes tiny --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md
+    run_part 3 "memory" 75 0 \
+        "$PY bench/gpu_memory.py --dry --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
+else
+    run_part 2 "parity" 120 1 \
+        "$PY bench/parity.py --device cuda --ref-device cpu --shapes tiny,9b --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md
+    run_part 3 "memory" 90 1 \
+        "$PY bench/gpu_memory.py --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
+fi
+
+SCALE="$PY bench/scale.py --device cuda --layers 4"
+run_part 4a "speed dense kernels" 60 1 "$SCALE --gen-batch 64,256 --new-tokens 128 --steps 2" x_scale
+run_part 4b "speed dense no kernels" 60 1 "$SCALE --gen-batch 64,256 --new-tokens 128 --steps 2 --no-kernels" x_scale
+DSA_SCALE="$SCALE --dsa --prompt 2048 --response 2048 --samples 4 --gen-batch 32 --new-tokens 64 --steps 1"
+run_part 4c "speed DSA kernels" 45 1 "$DSA_SCALE" x_scale
+run_part 4d "speed DSA no kernels" 45 1 "$DSA_SCALE --no-kernels" x_scale
+
+run_part 5 "tiny run" 150 1 \
+    "rm -rf $OUT/5_tiny && $PY train.py train.learner_device=cuda:0 train.generator_device=cuda:0 run_dir=$OUT/5_tiny" x_tiny
+
+echo
+multi_gpu
+write_summary
+say "done in $((SECONDS - START))s: $OUT/summary.md"
+FAILED="$(tail -n +2 "$STATUS" | awk -F'\t' '$3 !~ /^(ok|skipped)/ {print $1}' | tr '\n' ' ')"
+[[ -z "$FAILED" ]] || { say "parts not ok: $FAILED"; exit 1; }
+exit 0

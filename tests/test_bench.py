@@ -1,0 +1,118 @@
+"""bench/gpu.sh in dry mode (what a CPU machine runs of it) and the CPU sides of its two scripts: bench/parity.py
+on tiny shapes in bf16, bench/gpu_memory.py's plan. The CUDA parts are only planned here; a GPU machine runs
+them (`bash bench/gpu.sh OUTDIR`). No timing is asserted."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "5"]
+CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "5"]
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    """One `bash bench/gpu.sh --dry OUTDIR` for the whole file: (completed process, OUTDIR)."""
+    out = tmp_path_factory.mktemp("gpu_sh") / "out"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHON": sys.executable}
+    r = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=180)
+    return r, out
+
+
+def status(out):
+    rows = [line.split("\t") for line in (out / "status.tsv").read_text().splitlines()]
+    return {row[0]: row[2] for row in rows[1:]}
+
+
+def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry):
+    r, out = dry
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    for part in PARTS:
+        assert f"---- part {part}:" in r.stdout  # planned: its command and timeout printed
+    for part in CUDA_PARTS:
+        assert f"SKIP part {part} (" in r.stdout and "needs CUDA" in r.stdout
+    assert status(out) == {p: "ok" if p in ("2", "3") else "skipped (needs CUDA)" for p in PARTS}
+    # part 1's tests were found in tests/ (a skipif on CUDA, or a CUDA branch), and are named, not the suite
+    assert "tests/test_engine.py::test_cuda_graph_replays_give_the_eager_tokens" in r.stdout
+    assert "tests/test_model.py::test_cuda_attention_never_falls_back_to_the_math_kernel" in r.stdout
+    assert "train.pairs=2" in r.stdout  # what needs several GPUs is printed, not run
+
+
+def test_dry_run_writes_its_files_and_summary(dry):
+    _, out = dry
+    for name in ("summary.md", "status.tsv", "0_env.log", "2_parity.log", "2_parity.json", "2_parity.md",
+                 "3_memory.log", "3_memory.json", "3_memory.md"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    summary = (out / "summary.md").read_text()
+    for part in PARTS:
+        assert f"#### {part}. " in summary
+    assert "| 5 | tiny run | skipped (needs CUDA)" in summary
+    assert "| generator prefill | needs CUDA |" in summary  # the memory table, plan side only
+    assert "All paths within tolerance: yes." in summary  # the parity table
+    assert not (out / "5_tiny").exists()
+
+
+def test_parity_cpu_path_is_within_tolerance_and_really_bf16(dry):
+    _, out = dry
+    res = json.loads((out / "2_parity.json").read_text())
+    assert res["pass"] and set(res["models"]) == {"tiny dense", "tiny DSA"}
+    for label, paths in res["models"].items():
+        assert {"learner fp32", "learner", "generator prefill", "engine", "learner vs engine"} <= set(paths), label
+        for path, s in paths.items():
+            assert s["pass"] and s["tokens"] > 50 and s["max"] <= s["tol_max"] and s["mean"] <= s["tol_mean"], (label, path)
+        assert paths["learner fp32"]["max"] < 1e-4  # fp32 against float64: rounding only
+        for path in ("learner", "generator prefill", "engine"):  # bf16 shows: the path did not silently run fp32
+            assert paths[path]["mean"] > 1e-3, (label, path)
+
+
+def test_parity_tolerance_catches_a_wrong_logprob():
+    """The comparison can fail: the learner at another temperature than the reference's is out of tolerance,
+    at the same temperature it is not (fp32, a 2-layer model: milliseconds)."""
+    from bench import parity
+    from model import GLM, GLMConfig
+    shape = dict(parity.SHAPES["tiny"], rows=2, prompt=(6, 6), response=(6, 6))
+    cfg = GLMConfig(**{**shape["model"], "num_layers": 2})
+    model = parity.randomize_(GLM(cfg), 0, 3.0)
+    rows = parity.make_rows(shape, cfg.vocab_size, 1)
+    ref = parity.reference_logprobs(copy.deepcopy(model).to(torch.float64), rows, 1.0)
+    good = parity.compare(parity.learner_logprobs(model, rows, 1.0, amp=False), ref, "fp32", False)
+    bad = parity.compare(parity.learner_logprobs(model, rows, 1.05, amp=False), ref, "bf16", False)
+    assert good["pass"] and good["tokens"] == 12
+    assert not bad["pass"] and bad["mean"] > 0.1
+
+
+def test_memory_plan_side(dry, tmp_path):
+    """gpu_memory.py's plan side: the phases' plan totals follow from memory.memory_plan's items for the measured
+    shapes (the 4-layer cut's parameters exactly), and the measured side is left to CUDA."""
+    from bench import gpu_memory
+    _, out = dry
+    res = json.loads((out / "3_memory.json").read_text())
+    assert res["dry"] and all(p["peak"] is None for p in res["phases"])
+    phases = {p["phase"]: p for p in res["phases"]}
+    assert list(phases) == ["generator load", "generator prefill", "generator decode", "learner load",
+                            "learner step 1", "learner step 2", "publish"]
+    from model import GLM
+    with torch.device("meta"):
+        P = sum(p.numel() for p in GLM(gpu_memory.architecture(4, False)).parameters())
+    assert res["params"] == P
+    learner, generator = dict(map(tuple, res["plan"]["learner"])), dict(map(tuple, res["plan"]["generator"]))
+    assert learner[next(k for k in learner if k.startswith("fp32 master weights"))] == 4 * P
+    assert generator[next(k for k in generator if k.startswith("bf16 weights"))] == 2 * P  # dense: no fp32 islands
+    # a phase's plan is its items without the CUDA context item (max_memory_allocated does not see it)
+    assert phases["learner step 1"]["plan"] == sum(learner.values()) - gpu_memory.OVERHEAD
+    assert phases["generator decode"]["plan"] == sum(generator.values()) - gpu_memory.OVERHEAD
+    assert 4 * P <= phases["learner load"]["plan"] < phases["learner step 1"]["plan"]
+    assert 2 * P <= phases["generator load"]["plan"]
+    # in-process, another shape: DSA adds its indexer, and --dry writes the same structure
+    assert gpu_memory.main(["--dry", "--layers", "2", "--dsa", "--json", str(tmp_path / "m.json")]) == 0
+    dsa_res = json.loads((tmp_path / "m.json").read_text())
+    with torch.device("meta"):
+        dense = sum(p.numel() for p in GLM(gpu_memory.architecture(2, False)).parameters())
+    assert dsa_res["params"] > dense  # the indexer's parameters
+    assert "(DSA FSSS)" in dsa_res["settings"] and dsa_res["phases"][0]["peak"] is None
