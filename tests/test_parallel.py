@@ -1,6 +1,5 @@
 """Tests for parallel.py in one process (the multi-process paths run in tests/test_train.py under
 torchrun): the non-finite guard's count of skipped steps, and the micro-batch evening."""
-import json
 import os
 import subprocess
 import sys
@@ -33,7 +32,7 @@ def test_micro_batches_in_one_process_are_the_groups():
 # ----------------------------------------------------------------------------- loading sharded
 # torchrun with gloo on the CPU: each of 2 FSDP ranks loads only its rows of every tensor
 # (parallel.load_learner); gathered, the model must equal one process's from_pretrained, bit for bit.
-# This file is the worker: `torchrun ... tests/test_parallel.py CKPT OUT DSA TIED`.
+# This file is the worker: `torchrun ... tests/test_parallel.py DIR`.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
@@ -57,30 +56,34 @@ def load(ckpt, dsa):
     return parallel.load_learner(ckpt, dsa, torch.device("cpu"), "fsdp")
 
 
-@pytest.mark.parametrize("saved, loaded, tied", [(DSA, None, False), (None, DSA, False), (None, None, True)])
-def test_two_fsdp_ranks_load_only_their_shards_and_match_one_process(saved, loaded, tied, tmp_path):
-    """(saved, loaded): a DSA checkpoint as is; a dense one turned DSA (fresh indexers, drawn whole from the
-    seed on every rank, each keeping its rows); tied embeddings."""
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "weights.pt")
-    save_tiny(ckpt, saved, tied)
-    p = subprocess.run([*TORCHRUN, "tests/test_parallel.py", ckpt, out, json.dumps(loaded), str(tied)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env=os.environ | {"PYTHONPATH": ROOT})
+CASES = [(DSA, None, False), (None, DSA, False), (None, None, True)]  # (saved, loaded, tied)
+
+
+def test_two_fsdp_ranks_load_only_their_shards_and_match_one_process(tmp_path):
+    """(saved, loaded, tied): a DSA checkpoint as is; a dense one turned DSA (fresh indexers, drawn whole from the
+    seed on every rank, each keeping its rows); tied embeddings. One torchrun loads all three."""
+    ckpts = [str(tmp_path / f"ckpt{i}") for i in range(len(CASES))]
+    for ckpt, (saved, _, tied) in zip(ckpts, CASES):
+        save_tiny(ckpt, saved, tied)
+    p = subprocess.run([*TORCHRUN, "tests/test_parallel.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=os.environ | {"PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stderr[-3000:]
-    two, one = torch.load(out), dict(load(ckpt, loaded).named_parameters())
-    assert two.pop("shards") and set(two) == set(one)
-    for name in one:
-        assert torch.equal(two[name], one[name].detach()), name
+    for i, (ckpt, (_, loaded, _)) in enumerate(zip(ckpts, CASES)):
+        two, one = torch.load(str(tmp_path / f"weights{i}.pt")), dict(load(ckpt, loaded).named_parameters())
+        assert set(two) == set(one)
+        for name in one:
+            assert torch.equal(two[name], one[name].detach()), (i, name)
 
 
-if __name__ == "__main__":  # the worker
-    ckpt, out, dsa, tied = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "True"
+if __name__ == "__main__":  # the worker: tests/test_parallel.py DIR (DIR/ckpt<i> -> DIR/weights<i>.pt)
     parallel.init_processes(torch.device("cpu"))
-    model = load(ckpt, dsa)
-    # each rank holds only its rows: its local shards add up to about half of the model
-    local = sum(p.to_local().numel() for p in model.parameters())
-    assert local < 0.6 * sum(p.numel() for p in model.parameters()), local
-    assert tied == (model.lm_head.weight is model.embed_tokens.weight)
-    full = {k: v.clone() for k, v in parallel.full_weights(model)}
-    if parallel.rank() == 0:
-        torch.save(full | {"shards": True}, out)
+    for i, (_, loaded, tied) in enumerate(CASES):
+        model = load(os.path.join(sys.argv[1], f"ckpt{i}"), loaded)
+        # each rank holds only its rows: its local shards add up to about half of the model
+        local = sum(p.to_local().numel() for p in model.parameters())
+        assert local < 0.6 * sum(p.numel() for p in model.parameters()), local
+        assert tied == (model.lm_head.weight is model.embed_tokens.weight)
+        full = {k: v.clone() for k, v in parallel.full_weights(model)}
+        if parallel.rank() == 0:
+            torch.save(full, os.path.join(sys.argv[1], f"weights{i}.pt"))
     torch.distributed.destroy_process_group()

@@ -646,7 +646,7 @@ def test_environment_failures_are_one_line(tmp_path):
     p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "model.init=null",
                         f"model.path={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0 and p.stderr.strip().splitlines()[-1] == \
-        f"error: model.path: {tmp_path} has no config.json (download the model there first)"  # not sentencepiece advice
+        f"error: model.path: {tmp_path} has no config.json"  # not sentencepiece advice
 
 
 # ----------------------------------------------------------------------------- hooks: reward, data, eval
