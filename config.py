@@ -120,6 +120,11 @@ class RolloutConfig:
     # rows and keys, captured on first use, checked against eager; an eager fallback). A CPU decodes eagerly.
     cuda_graphs: bool = True
     engine: str = "torch"  # torch: our engine (runs DSA) | sglang: SGLang's (optional extra, dense checkpoints, GPU)
+    # fp8: the generator holds the decoder's linear weights in block-wise e4m3 (fp8.py: 128x128 blocks, fp32 scales;
+    # embeddings, norms, lm_head and the whole DSA indexer stay bf16/fp32), quantized by the learner after each
+    # tensor's gather at publish, so half the bytes travel. A larger train/inference mismatch, which IcePop (the
+    # default grpo.icepop_beta) absorbs: README, 'The objective'. null: bf16 weights
+    quantization: str | None = None
     sglang_mem_fraction: float = 0.8  # engine: sglang only: share of the generator GPU for weights + KV cache
 
 
@@ -375,6 +380,7 @@ RULES = [  # (keys, test, what each must be)
     (("optim.betas",), lambda b: len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b),
      "[beta1, beta2], each in [0, 1)"),
     (("rollout.engine",), lambda x: x in ("torch", "sglang"), "torch or sglang"),
+    (("rollout.quantization",), lambda x: x in (None, "fp8"), "fp8 or null"),
     (("train.parallel",), lambda x: x in ("fsdp", "ddp"), "fsdp or ddp"),
     (("grpo.agg",), lambda x: x in grpo.AGG_MODES, f"one of {grpo.AGG_MODES}"),
     (("grpo.kl_estimator",), lambda x: x in grpo.KL_ESTIMATORS, f"one of {grpo.KL_ESTIMATORS}"),
@@ -531,4 +537,4 @@ def plan_memory(cfg: Config, processes, shared=False):
                        generator_max_len=r.max_prompt_tokens + response_budget(cfg),
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,
-                       dsa_kernels=cfg.model.dsa_kernels, shared=shared)
+                       dsa_kernels=cfg.model.dsa_kernels, shared=shared, fp8=r.quantization == "fp8")

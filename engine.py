@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ import torch
 
 import dsa
 import dsa_triton
-from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, hf_name, to_device
+import fp8
+from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, hf_name, our_name, to_device
 
 
 # ----------------------------------------------------------------------------- the sampler
@@ -237,6 +239,9 @@ class TorchEngine:
             for name, t in named_tensors:
                 if name not in self._params:
                     raise KeyError(f"update_weights: unknown parameter {name}")
+                if (self._params[name].dtype == fp8.FP8) != (t.dtype == fp8.FP8):  # a cast would drop the block scales
+                    raise TypeError(f"update_weights: {name} is {t.dtype} but the engine holds {self._params[name].dtype} "
+                                    "(publish through parallel.full_weights(..., quantization) to match rollout.quantization)")
                 self._params[name].copy_(t, non_blocking=True)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -661,7 +666,7 @@ class SGLangEngine:
     manager and its zmq sockets are only used from that thread. Never call self.engine's sync methods."""
 
     def __init__(self, model_path: str, device, *, partial_rollout: bool = True, max_batch: int = 64,
-                 mem_fraction_static: float = 0.8, seed: int = 0, dsa: bool | None = None,
+                 mem_fraction_static: float = 0.8, seed: int = 0, dsa: bool | None = None, fp8: bool = False,
                  update_chunk_bytes: int = 2**30, **engine_kwargs):
         device = torch.device(device)
         if device.type != "cuda":
@@ -685,6 +690,9 @@ class SGLangEngine:
             raise ImportError(SGLANG_MISSING) from None
         self.io, self.serializer = io_struct, MultiprocessingSerializer
         self.device, self.dtype = device, torch.bfloat16
+        if fp8:  # SGLang's block-wise FP8 runs a checkpoint that says so: an e4m3 copy of this one, in a temp dir
+            self._fp8_dir = fp8_checkpoint(model_path)
+            model_path = self._fp8_dir.name
         self.partial_rollout, self.chunk_bytes = partial_rollout, update_chunk_bytes
         self.version = 0
         self.engine = sglang.Engine(model_path=model_path, skip_tokenizer_init=True, tp_size=1,
@@ -754,8 +762,9 @@ class SGLangEngine:
             if session:
                 self._check(self._run(self.tm.begin_weight_update(self.io.BeginWeightUpdateReqInput(), None)))
             chunk, size = [], 0
-            for name, t in itertools.chain([first], items):
-                t = t.detach().to(self.device, self.dtype)
+            for name, t in itertools.chain([first], items):  # fp8 weights and their fp32 scales travel as they are
+                t = t.detach().to(self.device, self.dtype if t.dtype in (torch.float32, torch.bfloat16)
+                                  and not name.endswith("_scale_inv") else t.dtype)
                 if chunk and size + t.nbytes > self.chunk_bytes:
                     self._push(chunk, flush=False)  # not the last: another tensor follows
                     chunk, size = [], 0
@@ -804,6 +813,48 @@ class SGLangEngine:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
         self.engine.shutdown()
+        if getattr(self, "_fp8_dir", None) is not None:  # the e4m3 copy of the checkpoint goes with the engine
+            self._fp8_dir.cleanup()
+
+
+def fp8_checkpoint(model_path):
+    """A copy of an HF checkpoint directory with the decoder's linear weights in block-wise e4m3 and their
+    weight_scale_inv (fp8.quantize), and a quantization_config that tells SGLang so (DeepSeek-V3's layout, the
+    one SGLang's Fp8LinearMethod loads with block quantization): SGLang then runs fp8 GEMMs, and the learner's
+    publishes (fp8.quantized_weights) replace these tensors under the same names. A TemporaryDirectory, removed
+    when the engine goes."""
+    import tempfile
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    out = tempfile.TemporaryDirectory(prefix="glm-rl-fp8-")
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [fp8.BLOCK, fp8.BLOCK]}
+    with open(os.path.join(out.name, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in os.listdir(model_path):  # the tokenizer, generation_config.json and the rest, as they are
+        if os.path.isfile(os.path.join(model_path, name)) and not name.endswith(".safetensors") and name not in (
+                "config.json", "model.safetensors.index.json"):
+            shutil.copy(os.path.join(model_path, name), out.name)
+    for fname in sorted(f for f in os.listdir(model_path) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(model_path, fname), framework="pt") as f:
+            tensors = {}
+            for hf in f.keys():  # one file's tensors at a time
+                t = f.get_tensor(hf)
+                if fp8.is_quantized(our_name(hf)):
+                    tensors[hf], tensors[hf + "_scale_inv"] = fp8.quantize(t)
+                else:
+                    tensors[hf] = t.to(torch.bfloat16) if t.is_floating_point() else t
+        save_file(tensors, os.path.join(out.name, fname), metadata={"format": "pt"})
+    if os.path.isfile(os.path.join(model_path, "model.safetensors.index.json")):
+        with open(os.path.join(model_path, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        index["weight_map"] |= {k + "_scale_inv": v for k, v in index["weight_map"].items()
+                                if fp8.is_quantized(our_name(k))}
+        with open(os.path.join(out.name, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return out
 
 
 # ----------------------------------------------------------------------------- the config's choice
@@ -813,8 +864,11 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int):
     model_dir. rollout: the config's rollout section; dsa: model.dsa."""
     if rollout.engine == "sglang":  # SGLang missing, a CPU device or a DSA model: one line naming the problem
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
-                            mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None)
+                            mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None,
+                            fp8=rollout.quantization == "fp8")
     model = GLM.from_pretrained(model_dir, dsa=dsa, device=device)
+    if rollout.quantization == "fp8":  # the decoder's linears to block-wise e4m3, layer by layer (fp8.py)
+        fp8.quantize_model_(model)
     # when weights land is the Generator's choice; what rows in flight then do, the engine's
     return TorchEngine(model, max_batch=rollout.max_batch, kv_tokens=rollout.kv_cache_tokens,
                        reprefill=rollout.update_mode == "reprefill",

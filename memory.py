@@ -14,6 +14,7 @@ import dsa
 import dsa_triton
 from dsa import FP32_PARAMS
 from engine import PREFILL_TOKENS
+from fp8 import weight_bytes as fp8_weight_bytes
 from model import BLOCK_SIZE, GLM, GROUP_RATIO, GLMConfig
 
 # Transients that never coexist (one chunk's logits, one recomputed block, a reduce-scatter buffer) enter
@@ -72,6 +73,13 @@ class MemoryPlan:
                        if s["engine"] == "torch" else
                        f"one GPU for both: SGLang's {s['sglang_mem_fraction']:.0%} share + the learner's "
                        f"{self.learner_bytes() / GiB:.2f} GiB of {gpu_bytes / GiB:.1f}")
+        if s["fp8_saved"]:  # a decode step reads every weight and, with the pool full, every KV slot once
+            pool, bf16 = s["kv_cache_tokens"] * s["kv_token"], self.generator[0][1] + s["fp8_saved"]
+            out.append(f"  fp8 weights save {s['fp8_saved'] / GiB:.2f} GiB of the generator's bf16 ones: room for "
+                       f"{s['fp8_saved'] // s['kv_token']} more KV token slots ({s['fp8_saved'] // s['kv_token'] // s['generator_max_len']} "
+                       f"more rows at the longest sequence, {s['generator_max_len']} tokens); a decode step over a full pool reads "
+                       f"{pool / GiB:.1f} GiB of KV beside the weights, so fp8 weights make it at most "
+                       f"{s['fp8_saved'] / (bf16 + pool):.0%} faster (an fp8 KV cache is the larger lever)")
         if s["engine"] == "sglang":
             kv = gpu_bytes * s["sglang_mem_fraction"] - self.generator_bytes()
             out.append(f"  SGLang's KV pool: the rest of its share, {kv / GiB:.1f} GiB = {max(0, int(kv)) // s['kv_token']} "
@@ -143,7 +151,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                 generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
                 kv_cache_tokens: int | None = None, cuda_graphs: bool = False, prefill_tokens: int = PREFILL_TOKENS, group_size: int = 1,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
-                dsa_kernels: bool = True, shared: bool = False) -> MemoryPlan:
+                dsa_kernels: bool = True, shared: bool = False, fp8: bool = False) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
     up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
@@ -152,6 +160,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     response tokens per lm_head call (config.LOGIT_CHUNK); logit_keep: the bytes of fp32 logits a micro-batch
     keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA and the sampler run
     dsa_triton's kernels (dsa.USE_TRITON). shared: the generator and the learner share one GPU (their sum must fit).
+    fp8: the generator's decoder linears are block-wise e4m3 (rollout.quantization; fp8.weight_bytes).
     Beside each step-time peak, the load-time one: the weights as model.GLM.from_pretrained allocates them."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
@@ -228,11 +237,12 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # longer context alone) or a decode step (logits and the sampler's hashed noise [B, V], DSA's scores).
     # With CUDA graphs the graphs' memory pool keeps a decode forward at B rows for good.
     B, S = generator_batch, generator_max_len
+    weights = fp8_weight_bytes(cfg) if fp8 else 2 * P + 2 * P32  # fp8: the bf16 model is loaded, then quantized
     blocks = -(-kv_cache_tokens // BLOCK_SIZE) if kv_cache_tokens else B * -(-S // BLOCK_SIZE)  # as TorchEngine._open
     T = (blocks + 1) * BLOCK_SIZE  # and the scratch block
     kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0))
     if engine == "sglang":
-        generator = [("bf16 weights, inside SGLang's share of the GPU", 2 * P + 2 * P32)]
+        generator = [(f"{'fp8' if fp8 else 'bf16'} weights, inside SGLang's share of the GPU", weights)]
     else:
         # Prefill: one packed row of M tokens, no grad, everything bf16 but RMSNorm's internals; attention runs
         # on groups of similar-length sequences (right-padded, no mask). The samples sharing a context take
@@ -255,7 +265,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
             prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
         steps = [(f"prefill of {M} packed tokens", prefill)]
         rows = B * (S // BLOCK_SIZE + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
-        generator = [("bf16 weights (indexer weights_proj, k_norm fp32)", 2 * P + 2 * P32),
+        generator = [(("fp8 weights (decoder linears e4m3 + block scales, the rest bf16)" if fp8 else
+                       "bf16 weights (indexer weights_proj, k_norm fp32)"), weights),
                      (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
                      (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
         forward = 2 * B * V + 2 * B * (h + 2 * I) + dsa_decode
@@ -279,7 +290,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     learner_load.append(("CUDA context, NCCL, fragmentation", OVERHEAD))
     generator_load = [] if engine == "sglang" else [("bf16 weights", 2 * P + 2 * P32), ("one tensor copied in", 2 * big),
                                                     ("CUDA context, fragmentation", OVERHEAD)]
-    settings = dict(shared=shared, learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
+    settings = dict(fp8_saved=2 * P + 2 * P32 - weights, shared=shared, learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
                     reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,
                     generator_batch=B, generator_max_len=S, kv_token=kv_token, kv_cache_tokens=T, cuda_graphs=cuda_graphs)
     return MemoryPlan(P, learner, generator, settings, learner_load, generator_load)

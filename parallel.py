@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import fp8
 from config import ConfigError
 from dsa import FP32_PARAMS
 from model import GLM
@@ -225,16 +226,22 @@ def clip_grad_norm(params, max_norm):
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
 
 
-def full_weights(model, dtype=None):
+def full_weights(model, dtype=None, quantization=None):
     """(name, full tensor) of every parameter, for publishing to the generator. Under FSDP each tensor
     is gathered from its shards when the consumer asks for it (cast to the generator's dtype first, so
     bf16 travels), so beyond the training state only one full tensor exists at a time. Every rank
-    must consume the whole sequence: each gather is a collective."""
-    for name, p in unwrap(model).named_parameters():
-        p = p.detach()
-        if hasattr(p, "full_tensor"):  # dsa.FP32_PARAMS travel in fp32: the engine keeps them so
-            p = (p.to(dtype) if dtype is not None and not name.endswith(FP32_PARAMS) else p).full_tensor()
-        yield name, p
+    must consume the whole sequence: each gather is a collective. quantization "fp8": each decoder linear
+    weight, once gathered (and cast to dtype: one rounding path with FSDP or without), is quantized here on
+    the learner's device (fp8.quantized_weights), so half the bytes travel to the generator."""
+    def gathered():
+        for name, p in unwrap(model).named_parameters():
+            p = p.detach()
+            if hasattr(p, "full_tensor"):  # dsa.FP32_PARAMS travel in fp32: the engine keeps them so
+                p = (p.to(dtype) if dtype is not None and not name.endswith(FP32_PARAMS) else p).full_tensor()
+            elif quantization and dtype is not None and fp8.is_quantized(name):
+                p = p.to(dtype)
+            yield name, p
+    return fp8.quantized_weights(gathered()) if quantization == "fp8" else gathered()
 
 
 # Rank metrics become one row: counts and throughputs add up, maxima take the max, the rest (means

@@ -346,7 +346,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
         stream.load_state_dict(resume["ranks"][rank()]["stream"])
         guard.load_state_dict(resume["kl_guard"])
     gen_dtype = getattr(engine, "dtype", None)
-    engine.update_weights(full_weights(learner, gen_dtype), version)  # the generator starts from the learner's weights
+    engine.update_weights(full_weights(learner, gen_dtype, r.quantization), version)  # the generator starts from these
     gen = Generator(engine, stream, tokenizer, prompts_per_step=r.prompts_per_step // world(), n=r.n, sampling=sampling,
                     max_staleness=r.max_staleness, dynamic_sampling=r.dynamic_sampling, oversample=r.oversample,
                     chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, env_cls=env_cls,
@@ -368,7 +368,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
             skips.update("rl", version, m)
             t1 = time.perf_counter()
             # FSDP: gathered tensor by tensor. A skipped step publishes no weights, only the version number.
-            weights = () if m.get("train/skipped") else full_weights(learner, gen_dtype)
+            weights = () if m.get("train/skipped") else full_weights(learner, gen_dtype, r.quantization)
             if version == t.rl_steps:  # the last weights go to the engine for the final eval only
                 gen.stop()
                 engine.update_weights(weights, version)

@@ -7,7 +7,7 @@
 #   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
 #   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
 #
-# Parts (their timeouts: T1 ... T5, T4a ... T4d; all of them within BUDGET seconds from the start):
+# Parts (their timeouts: T1 ... T6, T4a ... T4d; all of them within BUDGET seconds from the start):
 #   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
 #       CUDA branch when there is one, found in tests/ by name, plus the sm_90 compile of the Triton kernels. They
 #       are the only tests that run dsa_triton's kernels compiled on a GPU: tests/test_dsa_triton.py runs them
@@ -18,6 +18,9 @@
 #   4   bench/scale.py, with and without the Triton kernels: 4a/4b dense, 4c/4d DSA (sequences past top-k)
 #   5   the tiny default run on one GPU (configs/tiny_cpu.yaml), its final held-out accuracy against the README's
 #       CPU seeds
+#   6   bench/fp8.py: FP8 generator weights at GLM-Z1-9B's shapes: quantization error, quantize time, and the fp8
+#       GEMM (torch's scaled_mm, fp8.py's Triton kernel) against its CPU reference and against bf16 in speed (last,
+#       so the budget may cut it: rerun with --parts 6)
 # Files: OUTDIR/<part>_*.log (+ .json / .md / .xml), OUTDIR/status.tsv, and OUTDIR/summary.md (rewritten after
 # every part; merge it by hand into docs/benchmarks.md). What needs more than one GPU is printed, not run.
 #
@@ -307,8 +310,8 @@ if s:
 EOF
 }
 
-# ------------------------------------------------------------------------------------------------ the five parts
-say "plan: parts 1 (GPU-only tests), 2 (parity), 3 (memory), 4a-4d (speed), 5 (tiny run); budget ${BUDGET}s"
+# ------------------------------------------------------------------------------------------------------ the parts
+say "plan: parts 1 (GPU-only tests), 2 (parity), 3 (memory), 4a-4d (speed), 5 (tiny run), 6 (fp8); budget ${BUDGET}s"
 if [[ $DRY == 1 ]]; then
     say "part 1 would run: ${GPU_TESTS:-none found}"
 fi
@@ -339,6 +342,12 @@ run_part 4d "speed DSA no kernels" 45 1 "$DSA_SCALE --no-kernels" x_scale
 
 run_part 5 "tiny run" 150 1 \
     "rm -rf $OUT/5_tiny && $PY train.py train.learner_device=cuda:0 train.generator_device=cuda:0 run_dir=$OUT/5_tiny" x_tiny
+
+if [[ $DRY == 1 ]]; then  # the CPU side on small shapes: the script's plumbing and the quantization error
+    run_part 6 "fp8" 60 0 "$PY bench/fp8.py --device cpu --small --json $OUT/6_fp8.json --md $OUT/6_fp8.md" x_md
+else
+    run_part 6 "fp8" 120 1 "$PY bench/fp8.py --device cuda --json $OUT/6_fp8.json --md $OUT/6_fp8.md" x_md
+fi
 
 echo
 multi_gpu

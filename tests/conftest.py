@@ -20,3 +20,21 @@ if _previous is None:
     del os.environ["TRITON_INTERPRET"]
 else:
     os.environ["TRITON_INTERPRET"] = _previous
+
+
+def compile_for_h100(script):
+    """Run a script that compiles Triton kernels for sm_90 with Triton's compiler and ptxas (no GPU needed), in
+    a fresh process: this one's triton was imported in interpreter mode. Skips without the NVIDIA backend or
+    ptxas; returns the finished process (its stdout is the script's report)."""
+    import subprocess
+    import sys
+
+    import pytest
+    pytest.importorskip("triton.backends.nvidia")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, env=env)
+    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
+        pytest.skip("no ptxas in this triton install")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r

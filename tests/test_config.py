@@ -77,6 +77,7 @@ def test_unknown_key_names_key_and_suggestion(tmp_path):
     ("data.eval={path: a.jsonl, prompt_key: problem}",
      "data.eval: a set with its own keys is written {<name>: {path: file, prompt_key: ..., label_key: ...}}"),
     ("data.dedup=1", "data.dedup must be bool, got 1"),
+    ("rollout.quantization=int4", "rollout.quantization must be fp8 or null, got 'int4'"),
     ("grpo.agg=mean", "grpo.agg must be one of"),
     ("grpo.old_logp=recompute", "grpo.old_logp was removed: pi_old is now the learner's own forward"),
     ("rollout.top_p=0.9", "rollout.top_p was removed: RL samples from the full tempered distribution"),

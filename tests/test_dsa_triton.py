@@ -29,7 +29,8 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import dsa  # noqa: E402
-import dsa_triton  # noqa: E402
+import dsa_triton
+from conftest import compile_for_h100  # noqa: E402
 from model import AttnMask  # noqa: E402
 
 if _PREVIOUS_INTERPRET is None:
@@ -428,13 +429,7 @@ def test_kernels_compile_for_h100():
     mismatches, block shapes, loop-carried types), so compile the bf16 kernels at GLM-9B's shape for
     sm_90 with Triton's own compiler and ptxas (no GPU needed; last-dim strides of 1, as a launch
     specialises them), in a fresh process: this one's triton was imported in interpreter mode."""
-    pytest.importorskip("triton.backends.nvidia")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=root, capture_output=True, text=True, env=env)
-    if r.returncode != 0 and ("ptxas" in r.stderr and "not found" in r.stderr):
-        pytest.skip("no ptxas in this triton install")
-    assert r.returncode == 0, r.stderr[-3000:]
+    compile_for_h100(COMPILE_SCRIPT)
 
 
 # ----------------------------------------------------------------------------------------------- dispatch

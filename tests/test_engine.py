@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import pickle
 import sys
 import threading
@@ -17,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine as engine_mod
+import parallel
 from engine import Completion, SamplingParams, SGLangEngine, TorchEngine, sample_tokens
 from memory import memory_plan
 from model import GLM, GLMConfig, hf_name
@@ -125,6 +127,42 @@ def test_greedy_generation_matches_full_forward_reference(dsa, dtype, graphs, mo
     assert engine.stats["graph_steps"] == len(shapes) == (engine.stats["iterations"] - 1 if graphs else 0)
     if graphs:  # padding rows and left-padded keys were both exercised
         assert (3, 4, 16) in shapes and {w for _, _, w in shapes} == {8, 16, 22}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dsa", [None, {"topk": 3, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}])
+def test_fp8_publish_then_decode(dsa, dtype):
+    """rollout.quantization: fp8. The learner publishes through parallel.full_weights(..., "fp8") into an engine
+    whose decoder linears are fp8.FP8Linear: the engine then holds exactly fp8.quantize of the learner's weights
+    (cast to the engine's dtype first), and every other tensor (embeddings, norms, lm_head, the whole DSA
+    indexer) exactly as published, unquantized. Decoding then gives the tokens and logprobs of a naive loop of
+    full forwards of that fp8 model: the cache, the batching and the fp8 matmuls agree."""
+    import fp8
+    learner = tiny_model(dsa)
+    gen = fp8.quantize_model_(tiny_model(dsa, seed=1).eval().cast_(dtype))  # weights the publish replaces
+    engine = TorchEngine(gen, max_batch=2)
+    engine.update_weights(parallel.full_weights(learner, dtype, "fp8"), 1)
+    params = dict(gen.named_parameters())
+    assert {n for n in params if n.endswith("_scale_inv")} == {n + "_scale_inv" for n, _ in learner.named_parameters()
+                                                               if fp8.is_quantized(n)}
+    for name, p in learner.named_parameters():
+        if fp8.is_quantized(name):
+            q, s = fp8.quantize(p.detach().to(dtype))
+            assert params[name].dtype == torch.float8_e4m3fn and torch.equal(params[name].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(params[name + "_scale_inv"], s), name
+        else:
+            assert not name.startswith("layers.") or ".indexer." in name or "norm" in name or name.endswith(".bias"), name
+            assert torch.equal(params[name], p.detach().to(params[name].dtype)), name  # the indexer untouched
+    prompts, lengths = [[5, 6, 7, 8, 9], [3, 4], [1] * 17], [8, 3, 20]
+    outs = engine.generate(prompts, [SamplingParams(temperature=0, max_new_tokens=n) for n in lengths])
+    for p, n, out in zip(prompts, lengths, outs):
+        assert len(out.token_ids) == n and out.versions == (1, 1)
+        with torch.no_grad():
+            logp = gen(torch.tensor([p + out.token_ids]))[0, len(p) - 1:-1].float().log_softmax(-1)  # [n, V]
+        chosen = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        tol = 1e-5 if dtype == torch.float32 else 6e-2
+        assert (logp.max(-1).values - chosen <= tol).all()
+        assert out.logprobs == pytest.approx(chosen.tolist(), abs=tol)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -501,6 +539,15 @@ def test_sglang_refuses_cpu_and_dsa(tmp_path, monkeypatch):
         SGLangEngine(model_dir(tmp_path), "cuda:0")
 
 
+def fake_serialize(chunk):  # pickle, which cannot load an fp8 storage back: fp8 tensors travel as their bytes
+    return pickle.dumps([(n, t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t, t.dtype == torch.float8_e4m3fn)
+                         for n, t in chunk])
+
+
+def fake_deserialize(b):
+    return [(n, t.view(torch.float8_e4m3fn) if is_fp8 else t) for n, t, is_fp8 in pickle.loads(b)]
+
+
 class FakeTokenizerManager:
     """The TokenizerManager calls the adapter makes, as we read them in SGLang 0.5.9: new requests wait
     while paused, pause "retract" holds the running ones until continue_generation (they keep their
@@ -526,10 +573,12 @@ class FakeTokenizerManager:
         self.paused = False
 
     async def update_weights_from_tensor(self, obj, request):
-        (chunk,) = [pickle.loads(b) for b in obj.serialized_named_tensors]
-        assert all(t.dtype == torch.bfloat16 for _, t in chunk)
+        (chunk,) = [fake_deserialize(b) for b in obj.serialized_named_tensors]
+        # bf16 travels; with fp8, the quantized weights and their fp32 scales as they are
+        assert all(t.dtype == (torch.float32 if n.endswith("_scale_inv") else torch.bfloat16) or t.dtype == torch.float8_e4m3fn
+                   for n, t in chunk)
         self.weights += obj.flush_cache  # the fake model changes once the whole update has landed
-        return await self._log(("update", [n for n, _ in chunk], obj.flush_cache))
+        return await self._log(("update", [n for n, _ in chunk], obj.flush_cache, [t.dtype for _, t in chunk]))
 
     def abort_request(self, rid="", abort_all=False):
         self.calls.append(("abort",))
@@ -591,7 +640,7 @@ def fake_sglang(monkeypatch):
     io.UpdateWeightsFromTensorReqInput = dataclasses.make_dataclass(
         "UpdateWeightsFromTensorReqInput", [("serialized_named_tensors", list), ("flush_cache", bool, True)])
     utils = types.ModuleType("sglang.srt.utils")
-    utils.MultiprocessingSerializer = types.SimpleNamespace(serialize=pickle.dumps)  # CUDA IPC handles in SGLang
+    utils.MultiprocessingSerializer = types.SimpleNamespace(serialize=fake_serialize)  # CUDA IPC handles in SGLang
     sgl, srt, managers = (types.ModuleType(n) for n in ("sglang", "sglang.srt", "sglang.srt.managers"))
     sgl.Engine, sgl.srt, srt.managers, srt.utils, managers.io_struct = FakeEngine, srt, managers, utils, io
     for m in (sgl, srt, managers, io, utils):
@@ -658,6 +707,30 @@ def test_sglang_weight_push_is_chunked_and_lazy(tmp_path, fake_sglang, partial, 
     assert tm.calls[0] == ("pause", "retract") and engine.version == 3
     engine.update_weights([], version=4)  # nothing to push: only the version moves
     assert engine.version == 4 and len(tm.calls) == len(updates) + len(steps)
+
+
+def test_sglang_fp8_runs_an_fp8_checkpoint_and_pushes_fp8_tensors(tmp_path, fake_sglang):
+    """rollout.quantization: fp8 with SGLang: it is started on an e4m3 copy of the checkpoint whose config asks
+    for block-wise FP8 (SGLang's Fp8LinearMethod), and publishes keep the fp8 weights and fp32 scales as they are."""
+    from safetensors import safe_open
+    model = tiny_model()
+    model.save_pretrained(str(tmp_path / "ckpt"))
+    engine, fake = fake_sglang(tmp_path / "ckpt", fp8=True)
+    path = fake.kwargs["model_path"]
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                                       "dynamic", "weight_block_size": [128, 128]}
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        q, s = f.get_tensor("model.layers.0.mlp.down_proj.weight"), f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv")
+        assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # lm_head and embeddings stay bf16
+    engine.update_weights(parallel.full_weights(model, torch.bfloat16, "fp8"), version=1)
+    pushed = dict(kv for c in fake.tokenizer_manager.calls if c[0] == "update" for kv in zip(c[1], c[3]))
+    assert pushed["model.layers.0.mlp.down_proj.weight"] == torch.float8_e4m3fn
+    assert pushed["model.layers.0.mlp.down_proj.weight_scale_inv"] == torch.float32
+    assert pushed["model.embed_tokens.weight"] == torch.bfloat16
+    engine.shutdown()
+    assert not os.path.exists(path)  # the fp8 copy goes with the engine
 
 
 @pytest.mark.parametrize("partial", [True, False])

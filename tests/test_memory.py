@@ -136,3 +136,20 @@ def test_one_gpu_for_both_must_fit_their_sum():
     assert tiny_plan(**small).problems(both - 1) == []  # on two GPUs of that size: fine
     (line,) = memory_plan(NINE_B, **(RECIPE | {"shared": True, "learner_gpus": 1, "generator_batch": 8})).problems(H100)
     assert "the learner alone does not fit" in line and "\n" not in line  # 9B in full on one H100: never
+
+
+def test_fp8_generator_weights_and_what_they_free():
+    """rollout.quantization: fp8: the decoder's linears take 1 byte a weight plus an fp32 scale per 128 x 128 block;
+    embeddings, lm_head, norms, biases and the DSA indexer stay as they were (bf16; dsa.FP32_PARAMS fp32)."""
+    import fp8
+    bf16, f8 = dict(tiny_plan().generator), dict(tiny_plan(fp8=True).generator)
+    P, _ = hand_counts(TINY)
+    h, I, HD, KD, L = 48, 80, 4 * 16, 2 * 16, 3
+    linears = L * (h * HD + 2 * h * KD + HD * h + h * 2 * I + I * h)  # q, k, v, o, gate_up, down
+    blocks = L * (1 + 1 + 1 + 1 + 2 + 1)  # each of them fits one 128-wide block of columns, gate_up [160, 48]: 2 of rows
+    fp32_indexer = 2 * (2 * 8 + 48 * 2)
+    assert f8["fp8 weights (decoder linears e4m3 + block scales, the rest bf16)"] == fp8.weight_bytes(TINY) == \
+        2 * (P - linears) + 2 * fp32_indexer + linears + 4 * blocks
+    assert bf16["bf16 weights (indexer weights_proj, k_norm fp32)"] - fp8.weight_bytes(TINY) == linears - 4 * blocks
+    text = memory_plan(NINE_B, **(RECIPE | {"generator_batch": 256, "kv_cache_tokens": 2**20, "fp8": True})).text(H100)
+    assert "fp8 weights save 7.60 GiB" in text and "at most 13% faster" in text

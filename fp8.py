@@ -1,0 +1,397 @@
+"""
+Block-wise FP8 weights for the generator: the decoder's linear layers held in 8 bits while the learner trains
+in bf16/fp32 (issue "FP8 rollouts with bf16 training"). The format is DeepSeek-V3's, the one of checkpoints
+with `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}` (SGLang and slime
+read and write it):
+
+    weight            float8_e4m3fn [N, K]              q = e4m3(clamp(w / scale_inv, -448, 448))
+    weight_scale_inv  fp32 [ceil(N/128), ceil(K/128)]   per 128 x 128 block: max(amax(|w|), 1e-4) / 448
+
+so that w ~= q * scale_inv, block by block. e4m3 has 4 exponent and 3 mantissa bits and no infinities: +-448
+at most, 8 steps per power of two, so rounding costs up to 2^-4 of a value (half a step; about 3% RMS) down
+to 2^-6 (q's subnormals below that: values under amax/28672 of their block lose relative precision). The
+block's largest value maps to +-448. Blocks are ceil-divided: a ragged edge (512 x 96, 300 x 96) is a smaller
+block, padded with zeros only while its amax is taken. The amax is clamped to AMAX_MIN = 1e-4 (as DeepGEMM's
+and SGLang's block casts do): an all-zero block then gets a finite scale and exact zero codes, where 0 / 0
+would give NaN; a block whose amax is below 1e-4 is quantized against 1e-4 (fewer of the 448 levels used).
+Values are clamped to +-448 before the cast, so a quotient rounded just above 448 saturates (a CUDA cast of
+an out-of-range value may give NaN; e4m3fn has no infinity).
+
+What is quantized (`is_quantized`): `layers.<i>.self_attn.{q,k,v,o}_proj.weight` and
+`layers.<i>.mlp.{gate_up,down}_proj.weight`. Not quantized: the embeddings, norms, lm_head, biases, and the
+whole DSA indexer (`...self_attn.indexer.*`): an fp8 indexer would change which keys the generator picks
+(dsa.py's precision notes), so it stays as the rest of the generator (bf16, dsa.FP32_PARAMS in fp32).
+
+The matmul, y = x W^T + b (`fp8_linear`): activations are quantized at run time per token and group of 128
+along K (`quantize_activations`: fp32 scale = max(amax, 1e-4) / 448 per 1 x 128 group), multiplied with the
+weight's codes, and each 128-wide K block's partial sum is scaled by (activation scale x weight scale) and
+added into an fp32 accumulator; the output is in x's dtype, bias added in fp32 before that rounding:
+
+    y[m, n] = b[n] + sum_kb  xs[m, kb] * ws[n // 128, kb] * sum_{k in block kb}  xq[m, k] * wq[n, k]
+
+(Hopper's fp8 tensor cores accumulate a block's products with ~14 bits of precision; scaling and adding each
+block's partial sum into fp32, as DeepSeek-V3 does every 128 elements, keeps that error to one block's.)
+Three implementations, one result:
+  - `reference_linear` (CPU, and the fallback anywhere): both operands dequantized to fp32 (codes x scales),
+    one fp32 matmul. The scales are constant within a block, so this is the block-scaled sum above
+    exactly in real arithmetic; in fp32 only the rounding differs. It is the other paths' reference.
+  - `scaled_mm_linear` (CUDA): torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128 (activations)
+    and BlockWise128x128 (weights): cuBLASLt >= 12.9 on sm_90 (Hopper) only. Activations are quantized
+    by `quantize_activations` (PyTorch ops) first. Used where K and N are multiples of 128.
+  - `triton_linear` (CUDA otherwise; on CPU tensors under TRITON_INTERPRET=1, which is how the tests run
+    it): one Triton kernel that quantizes the activations on chip (the same arithmetic as
+    quantize_activations, correctly rounded divisions) and runs the block-scaled GEMM above.
+`fp8_linear` dispatches: on a CUDA device the first call checks scaled_mm and the Triton kernel on a small
+problem against the CPU reference (once per device; it syncs, so it must not be the first call inside a CUDA
+graph capture: the engine's eager prefills and warm-ups come first) and uses what runs and agrees; on a CPU,
+reference_linear (the Triton kernel when TRITON_INTERPRET=1). None of them is differentiable: generator only.
+
+In the model (`quantize_model_`): every quantized nn.Linear becomes an `FP8Linear` whose `weight` (fp8) and
+`weight_scale_inv` (fp32) are nn.Parameters with requires_grad=False (so `model.named_parameters()`, which
+the engine copies published weights into by name, lists them: "<layer>.weight" and "<layer>.weight_scale_inv",
+DeepSeek's names). Quantize after any cast: `model.to(dtype)` / `GLM.cast_` treat fp8 as a float dtype and
+would convert the codes without their scales (fp8_linear then refuses the weight). `quantized_weights` turns
+the publisher's (name, tensor) stream into the same stream with each quantized weight replaced by its codes
+and scales, one tensor at a time; `weight_bytes` is what a generator's weights take with fp8 (memory.py).
+"""
+from __future__ import annotations  # kernel annotations stay strings: this file imports without triton
+
+import contextlib
+import functools
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dsa_triton
+from dsa import fp32_scope
+from model import GLM
+
+BLOCK = 128  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+AMAX_MIN = 1e-4  # a block's amax is clamped to this: an all-zero block quantizes to zeros, not 0/0 = NaN
+FP8 = torch.float8_e4m3fn
+
+# The decoder's linear weights, by our parameter name (an HF name's "model." prefix is accepted too)
+_QUANTIZED = re.compile(r"(model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate_up|down)_proj)\.weight")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_quantized(name: str) -> bool:
+    """Whether a parameter (our name, e.g. "layers.3.mlp.down_proj.weight") is held in fp8 by the generator.
+    The indexer's projections ("layers.0.self_attn.indexer.wq.weight"), biases, norms, embeddings and
+    lm_head are not."""
+    return _QUANTIZED.fullmatch(name) is not None
+
+
+# ----------------------------------------------------------------------------------------------- the format
+
+def quantize(w):
+    """w [N, K] (any float dtype, any device, meta too) -> (q float8_e4m3fn [N, K], scale_inv fp32 [Nb, Kb]),
+    Nb = ceil(N / 128), Kb = ceil(K / 128), with w ~= q * scale_inv per 128 x 128 block.
+    Temporary memory: one fp32 copy of w (padded to whole blocks) besides the fp8 result."""
+    N, K = w.shape
+    Nb, Kb = _cdiv(N, BLOCK), _cdiv(K, BLOCK)
+    wf = w.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place below
+    if (N, K) != (Nb * BLOCK, Kb * BLOCK):
+        wf = F.pad(wf, (0, Kb * BLOCK - K, 0, Nb * BLOCK - N))  # zeros: they do not change a block's amax
+    blocks = wf.view(Nb, BLOCK, Kb, BLOCK)  # block (i, j) is blocks[i, :, j, :]
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), -blocks.amin(dim=(1, 3)))  # [Nb, Kb], no |w| temporary
+    scale_inv = amax.clamp_min(AMAX_MIN) / E4M3_MAX  # [Nb, Kb] fp32
+    q = blocks.div_(scale_inv[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)  # saturate, then round
+    return q.view(Nb * BLOCK, Kb * BLOCK)[:N, :K].contiguous(), scale_inv
+
+
+def dequantize(q, scale_inv, dtype=torch.float32):
+    """(q fp8 [N, K], scale_inv fp32 [Nb, Kb]) -> q * scale_inv per block, [N, K] in dtype (the product in fp32)."""
+    N, K = q.shape
+    Nb, Kb = scale_inv.shape
+    qf = F.pad(q.float(), (0, Kb * BLOCK - K, 0, Nb * BLOCK - N)).view(Nb, BLOCK, Kb, BLOCK)
+    return (qf * scale_inv[:, None, :, None].float()).view(Nb * BLOCK, Kb * BLOCK)[:N, :K].to(dtype)
+
+
+def quantize_activations(x):
+    """x [..., K] -> (xq float8_e4m3fn [..., K], scale fp32 [..., ceil(K / 128)]): each row's groups of 128
+    along K quantized on their own (x ~= xq * scale, per group), the same arithmetic as `quantize`."""
+    *lead, K = x.shape
+    Kb = _cdiv(K, BLOCK)
+    xf = x.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # (x may be a strided view)
+    if K != Kb * BLOCK:
+        xf = F.pad(xf, (0, Kb * BLOCK - K))
+    groups = xf.view(*lead, Kb, BLOCK)
+    scale = torch.maximum(groups.amax(-1), -groups.amin(-1)).clamp_min(AMAX_MIN) / E4M3_MAX  # [..., Kb]
+    xq = groups.div_(scale[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
+    return xq.view(*lead, Kb * BLOCK)[..., :K].contiguous(), scale
+
+
+def _dequantize_activations(xq, scale):
+    """(xq [..., K], scale [..., Kb]) -> xq * scale per group, fp32 [..., K]."""
+    *lead, K = xq.shape
+    Kb = scale.shape[-1]
+    groups = F.pad(xq.float(), (0, Kb * BLOCK - K)).view(*lead, Kb, BLOCK)
+    return (groups * scale[..., None]).view(*lead, Kb * BLOCK)[..., :K]
+
+
+# ----------------------------------------------------------------------------------------------- the matmul
+
+def fp8_linear(x, weight, weight_scale_inv, bias=None):
+    """x [..., K] (bf16 on the engine, or fp32) times the fp8 weight [N, K] with its block scales [Nb, Kb],
+    plus bias [N] -> [..., N] in x.dtype. The dispatching matmul: see the module docstring."""
+    if weight.dtype != FP8:
+        raise TypeError(f"fp8_linear: weight is {weight.dtype}, expected {FP8} (a cast of the model after "
+                        "quantize_model_ converts its fp8 weights: quantize last)")
+    N, K = weight.shape
+    paths = _working_paths(x.device)
+    if "scaled_mm" in paths and K % BLOCK == 0 and N % BLOCK == 0:
+        return scaled_mm_linear(x, weight, weight_scale_inv, bias)
+    if "triton" in paths:
+        return triton_linear(x, weight, weight_scale_inv, bias)
+    return reference_linear(x, weight, weight_scale_inv, bias)
+
+
+def reference_linear(x, weight, weight_scale_inv, bias=None):
+    """The specification: activations quantized per 1 x 128 group, both operands dequantized to fp32, one
+    fp32 matmul (mathematically the block-scaled sum), bias in fp32, the result in x.dtype. Memory: an fp32
+    copy of the whole weight (fine on a CPU; as the CUDA fallback, slow and large)."""
+    xd = _dequantize_activations(*quantize_activations(x))  # [..., K] fp32
+    with fp32_scope(x):  # no autocast: fp32 in, fp32 out
+        y = F.linear(xd, dequantize(weight, weight_scale_inv), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def scaled_mm_linear(x, weight, weight_scale_inv, bias=None):
+    """torch.nn.functional.scaled_mm with 1 x 128 activation and 128 x 128 weight scales (cuBLASLt, sm_90):
+    K and N multiples of 16 (fp8_linear sends only multiples of 128). Layouts as PyTorch's block path
+    checks them: activation scales outer-dim-major [M, Kb] (strides 1, M: M is padded to a multiple of 4
+    for cuBLAS's 16-byte alignment), weight scales [round_up(Kb, 4), Nb] with strides (1, round_up(Kb, 4))."""
+    *lead, K = x.shape
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    xq, xs = quantize_activations(F.pad(x2, (0, 0, 0, -M % 4)))  # [M4, K] fp8, [M4, Kb]
+    xs = xs.t().contiguous().t()  # [M4, Kb], strides (1, M4)
+    ws = F.pad(weight_scale_inv, (0, -weight_scale_inv.shape[1] % 4)).t()  # [Kb4, Nb], strides (1, Kb4)
+    fused_bias = bias is not None and x.dtype != torch.float32  # cuBLAS adds a bias only to 16-bit outputs
+    y = F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128, ws, F.ScalingType.BlockWise128x128,
+                    bias=bias.to(x.dtype) if fused_bias else None, output_dtype=x.dtype)[:M]
+    if bias is not None and not fused_bias:
+        y = y + bias.float()
+    return y.view(*lead, N)
+
+
+def _has_scaled_mm() -> bool:
+    st = getattr(F, "ScalingType", None)
+    return hasattr(F, "scaled_mm") and hasattr(st, "BlockWise1x128") and hasattr(st, "BlockWise128x128")
+
+
+# ----------------------------------------------------------------------------------------------- Triton
+# The kernel: one program per (BM rows of x, BN output columns). Each step takes one 128-wide K block: it loads
+# x's tile [BM, 128] in its own dtype, quantizes each row's group on chip (scale = max(amax, AMAX_MIN) / QMAX and
+# q = e4m3(clamp(x / scale)), divisions correctly rounded, as quantize_activations in PyTorch), loads the weight's
+# fp8 tile [BN, 128] and each column's block scale, and adds tl.dot(q, w^T) (fp32) * x scale * w scale into an
+# fp32 accumulator. The weight's 128 x 128 blocks need no alignment with BN: each column reads its own block's
+# scale. Ragged M, N and K are masked loads (zeros). The bias is added in fp32, then one rounding to Y's dtype.
+
+triton = tl = None  # imported on first use (dsa_triton's rule: importing this file needs no triton)
+
+
+def _gemm_kernel(X, W, WS, BIAS, Y, M, N, K, sxm, sxk, swn, swk, swsn, swsk, sym, syn,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < K
+        x = tl.load(X + offs_m[:, None] * sxm + offs_k[None, :] * sxk, mask=mmask[:, None] & kmask[None, :],
+                    other=0.0).to(tl.float32)  # [BM, BK]
+        xs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_MIN), QMAX)  # [BM]: each row's group scale
+        v = tl.clamp(tl.math.div_rn(x, xs[:, None]), -QMAX, QMAX)
+        if ROUND_FIRST:  # the interpreter: its fp32 -> e4m3 cast misrounds (124.3 -> 64), so round on the e4m3 grid
+            e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # exponent (subnormals: -6)
+            step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): e4m3's spacing at v
+            magic = step * 12582912.0  # 1.5 * 2^23 * step: v + magic rounds v to a multiple of step, ties to even
+            v = (v + magic) - magic  # now exact in e4m3: the cast below only converts
+        xq = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        w = tl.load(W + offs_n[:, None] * swn + offs_k[None, :] * swk, mask=nmask[:, None] & kmask[None, :],
+                    other=0.0)  # [BN, BK] fp8
+        ws = tl.load(WS + (offs_n // BK) * swsn + (k0 // BK) * swsk, mask=nmask, other=0.0)  # [BN]
+        acc += tl.dot(xq, tl.trans(w)) * xs[:, None] * ws[None, :]
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, acc.to(Y.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(interpret: bool):
+    # triton.jit decides between compiled and interpreted kernels when it decorates: one per mode (as dsa_triton)
+    global triton, tl
+    import triton as triton_
+    import triton.language as tl_
+    triton, tl = triton_, tl_  # the kernel's global `tl`, resolved when it compiles
+    return triton.jit(_gemm_kernel)
+
+
+def _tiles(M: int) -> tuple[int, int, int]:
+    """(BM, BN, num_warps) for M rows (not tuned): tl.dot needs BM >= 16; a decode step (M small) takes
+    narrower column tiles, so that more programs share the weight's bytes."""
+    BM = min(128, max(16, 1 << (M - 1).bit_length()))
+    return BM, 64 if M <= 64 else 128, 4 if BM <= 64 else 8
+
+
+def triton_linear(x, weight, weight_scale_inv, bias=None):
+    """The Triton kernel above: x [..., K] (any float dtype), weight fp8 [N, K], scales [Nb, Kb] -> [..., N]
+    in x.dtype. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+    if not dsa_triton.available(x):
+        raise RuntimeError("fp8.triton_linear needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    interpret = dsa_triton._interpret()
+    kernel = _compiled(interpret)
+    *lead, K = x.shape
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y.view(*lead, N)
+    BM, BN, warps = _tiles(M)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on x's GPU
+        kernel[(_cdiv(M, BM), _cdiv(N, BN))](
+            x2, weight, weight_scale_inv, bias if bias is not None else y, y, M, N, K, *x2.stride(),
+            *weight.stride(), *weight_scale_inv.stride(), *y.stride(), BM=BM, BN=BN, BK=BLOCK,
+            HAS_BIAS=bias is not None, AMAX_MIN=AMAX_MIN, QMAX=E4M3_MAX, ROUND_FIRST=interpret,
+            num_warps=warps, num_stages=3)
+    return y.view(*lead, N)
+
+
+# ----------------------------------------------------------------------------------------------- dispatch
+
+_PATHS: dict[torch.device, tuple[str, ...]] = {}  # device -> the fast paths that passed the check there
+
+
+def _working_paths(device) -> tuple[str, ...]:
+    """The fast paths usable on device: on CUDA those of ("scaled_mm", "triton") that run and agree with the
+    CPU reference on a small problem (checked at the first call per device); on a CPU ("triton",) under
+    TRITON_INTERPRET=1 (the tests), else none (reference_linear)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ("triton",) if dsa_triton.available(torch.empty(0, device=device)) else ()
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _PATHS:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("fp8_linear: the first call on a GPU checks its kernels (a sync): run one eager "
+                               "forward before capturing CUDA graphs")
+        _PATHS[device] = _check_paths(device)
+    return _PATHS[device]
+
+
+def _check_paths(device) -> tuple[str, ...]:
+    """Run each fast path once on a small problem with ragged scale shapes (M = 5 rows, Kb = 3 K blocks: not
+    multiples of 4) and blocks of very different scales (a mislaid scale layout shows), against the CPU
+    reference in bf16; keep those that run and agree within bf16 rounding."""
+    g = torch.Generator().manual_seed(0)
+    M, N, K = 5, 256, 384
+    Nb, Kb = N // BLOCK, K // BLOCK
+    w = torch.randn(Nb, BLOCK, Kb, BLOCK, generator=g) * 2.0 ** torch.randint(-6, 6, (Nb, 1, Kb, 1), generator=g)
+    x = torch.randn(M, Kb, BLOCK, generator=g) * 2.0 ** torch.randint(-4, 4, (M, Kb, 1), generator=g)
+    x, b = x.view(M, K).to(torch.bfloat16), torch.randn(N, generator=g).to(torch.bfloat16)
+    q, s = quantize(w.view(N, K))
+    ref = reference_linear(x, q, s, b).float()
+    found = []
+    for name, fn, usable in (("scaled_mm", scaled_mm_linear, _has_scaled_mm()),
+                             ("triton", triton_linear, dsa_triton.available(torch.empty(0, device=device)))):
+        if not usable:
+            continue
+        try:
+            y = fn(x.to(device), q.to(device), s.to(device), b.to(device)).float().cpu()
+        except Exception as e:  # noqa: BLE001 - an unsupported GPU, cuBLAS or triton: the next path
+            print(f"[fp8] {name} does not run on {device} ({type(e).__name__}: {str(e)[:200]})")
+            continue
+        err = ((y - ref).abs().max() / ref.abs().max()).item()
+        if err < 2 ** -6:  # bf16 outputs: about 2^-9 of the largest; a wrong scale is off by far more
+            found.append(name)
+        else:
+            print(f"[fp8] {name} disagrees with the reference on {device} (error {err:.2e}): not used")
+    if not found:
+        print(f"[fp8] no fast fp8 matmul on {device}: dequantizing to fp32 per call (slow)")
+    return tuple(found)
+
+
+# ----------------------------------------------------------------------------------------------- the model
+
+class FP8Linear(nn.Module):
+    """nn.Linear's place in the generator: weight fp8 [out, in] and weight_scale_inv fp32 [ceil(out/128),
+    ceil(in/128)] as nn.Parameters without gradients (model.named_parameters() lists them), bias (dtype,
+    default bf16) or None. forward(x) = fp8_linear(x, weight, weight_scale_inv, bias)."""
+
+    def __init__(self, in_features, out_features, bias=True, device=None, dtype=torch.bfloat16):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        blocks = (_cdiv(out_features, BLOCK), _cdiv(in_features, BLOCK))
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=FP8, device=device),
+                                   requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.ones(blocks, device=device), requires_grad=False)
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
+        """linear's weight quantized, its bias (the same Parameter, dtype and values) kept. A meta linear
+        gives meta tensors of the right shapes and dtypes (to_empty allocates them)."""
+        with torch.device("meta"):  # the empty shell; its tensors are replaced just below
+            m = cls(linear.in_features, linear.out_features, bias=False)
+        q, s = quantize(linear.weight)
+        m.weight = nn.Parameter(q, requires_grad=False)
+        m.weight_scale_inv = nn.Parameter(s, requires_grad=False)
+        m.bias = linear.bias
+        return m
+
+    def forward(self, x):
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                "e4m3 in 128 x 128 blocks")
+
+
+def quantize_model_(model):
+    """In place: every quantized nn.Linear of a model.GLM (is_quantized of "<its name>.weight") becomes an
+    FP8Linear holding quantize(its weight), one at a time (a loaded model's peak: its own weights plus one
+    linear's fp32 copy while it is quantized). Works on a meta-device model (then empty fp8 tensors).
+    Everything else (embeddings, norms, lm_head, biases, the DSA indexer) is left as it is. Returns model.
+    Cast first (GLM.cast_): a cast after this converts the fp8 codes."""
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and is_quantized(n + ".weight")]
+    for name in names:  # (names, not modules: each replaced nn.Linear is freed before the next is quantized)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, FP8Linear.from_linear(model.get_submodule(name)))
+    return model
+
+
+def quantized_weights(named_tensors):
+    """(name, tensor) pairs -> the same pairs, each quantized weight replaced by (name, q fp8) and
+    (name + "_scale_inv", scale_inv fp32): the names of an FP8Linear's parameters. Lazy: one input pair is
+    read (and quantized, on its own device) per output, as the publisher gathers FSDP shards tensor by tensor."""
+    for name, t in named_tensors:
+        if is_quantized(name):
+            q, s = quantize(t)
+            yield name, q
+            yield name + "_scale_inv", s
+        else:
+            yield name, t
+
+
+def weight_bytes(cfg) -> int:
+    """Bytes of a generator's weights with fp8 (model.GLMConfig): quantized linears 1 byte per weight plus
+    4 per 128 x 128 block, everything else bf16 but dsa.FP32_PARAMS (fp32). Counted from the model built on
+    the meta device, cast and quantized as the generator is (no memory)."""
+    with torch.device("meta"):
+        model = quantize_model_(GLM(cfg).cast_(torch.bfloat16))
+    return sum(p.numel() * p.element_size() for p in model.parameters())

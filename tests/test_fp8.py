@@ -1,0 +1,409 @@
+"""fp8.py: the block-wise e4m3 format against a float64 re-implementation of its arithmetic (not against our own
+output), the matmul's paths (the CPU reference, the Triton kernel in Triton's interpreter and compiled for sm_90,
+CUDA when there is one), and the model's side (quantize_model_, quantized_weights, weight_bytes).
+
+Tolerances, as max |ours - ref| / max |ref| over the output:
+  fp32 outputs: 1e-5 (fp32 sums of exact fp8 products against float64; measured about 3e-7);
+  bf16 outputs: 1e-2 (the output's own bf16 rounding: 2^-8 of a value, measured up to 6e-3 of the largest);
+  the quantized tiny model against its bf16 self: mean |delta logp| <= 0.25 nats and max-relative logits error
+  <= 0.5 (measured over seeds 0-3, dense and DSA: mean 0.10-0.13, max 0.65-1.4 nats, logits 0.14-0.32; bf16
+  against fp32 is about 10x smaller: e4m3 keeps 4 significant bits where bf16 keeps 8, and one w8a8 linear
+  misses a float64 matmul by about 3.7% RMS, against 0.3% for bf16).
+Comparisons that could pass by accident also check that a plausible wrong answer is farther than the tolerance."""
+import copy
+
+import pytest
+import torch
+
+import fp8
+from conftest import compile_for_h100
+from dsa import FP32_PARAMS
+from model import GLM, GLMConfig
+from test_engine import tiny_model
+
+FP32_TOL = 1e-5
+BF16_TOL = 1e-2
+DSA = dict(topk=4, heads=2, head_dim=16, rope_dim=4, pattern="FS")
+
+
+def err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+
+def check(ours, ref, tol, wrong=(), what=""):
+    e = err(ours, ref)
+    assert e < tol, f"{what}: error {e:.2e} >= {tol:.0e}"
+    for i, w in enumerate(wrong):
+        assert err(w, ref) > 3 * tol, f"{what}: mutation {i} differs by only {err(w, ref):.2e}"
+
+
+# ----------------------------------------------------------------------------------------------- float64 reference
+
+def e4m3_round(v):
+    """float64 v (|v| <= 448) -> (the nearest e4m3 value, ties to even; and where v / step sits within 1e-5 of a
+    tie, where an fp32 quotient may round the other way). e4m3: 8 steps per power of two, so the spacing at
+    2^e <= |v| < 2^(e+1) is 2^(e-3); below 2^-6 (subnormals) it stays 2^-9."""
+    _, ex = torch.frexp(v)  # |v| = m * 2^ex, 0.5 <= m < 1: the exponent e is ex - 1
+    step = torch.exp2((ex - 1).clamp_min(-6) - 3).double()
+    t = v / step
+    return torch.round(t) * step, ((t.abs() - t.abs().floor()) - 0.5).abs() < 1e-5  # torch.round: half to even
+
+
+def ref_quantize(w, rows):
+    """float64 block quantization of w [N, K] in blocks of rows x 128 (128: weights, 1: activations) ->
+    (q [N, K] float64 on the e4m3 grid, scale [ceil(N/rows), ceil(K/128)] float64 holding fp32 values,
+    near_tie [N, K] bool)."""
+    w = w.double()
+    N, K = w.shape
+    amax_min = torch.tensor(fp8.AMAX_MIN, dtype=torch.float32).double()  # the clamp as fp32 holds it
+    s = torch.empty(-(-N // rows), -(-K // 128), dtype=torch.float64)
+    q, tie = torch.empty_like(w), torch.zeros(N, K, dtype=torch.bool)
+    for i in range(s.shape[0]):
+        for j in range(s.shape[1]):
+            r, c = slice(i * rows, (i + 1) * rows), slice(j * 128, (j + 1) * 128)
+            s[i, j] = (torch.maximum(w[r, c].abs().max(), amax_min) / 448).float().double()  # the fp32 scale
+            q[r, c], tie[r, c] = e4m3_round((w[r, c] / s[i, j]).clamp(-448, 448))
+    return q, s, tie
+
+
+def expand(s, rows, N, K):
+    """A block scale [Nb, Kb] spread over its elements [N, K]."""
+    return s.repeat_interleave(rows, 0)[:N].repeat_interleave(128, 1)[:, :K]
+
+
+def blocky(N, K, seed, rows=128, lo=-8, hi=4):
+    """Normal values whose rows x 128 blocks have very different magnitudes (2^lo .. 2^hi): a scale applied to
+    the wrong block shows."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(lo, hi, (-(-N // rows), -(-K // 128)), generator=g).double())
+    return (torch.randn(N, K, generator=g, dtype=torch.float64) * expand(scale, rows, N, K)).float()
+
+
+# ----------------------------------------------------------------------------------------------- the format
+
+@pytest.mark.parametrize("shape", [(300, 96), (512, 96), (1, 5), (256, 384), (130, 260)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_matches_a_float64_reference(shape, dtype):
+    N, K = shape
+    w = blocky(N, K, seed=N + K).to(dtype)
+    q, s = fp8.quantize(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (N, K) and q.is_contiguous()
+    assert s.dtype == torch.float32 and s.shape == (-(-N // 128), -(-K // 128))
+    q_ref, s_ref, tie = ref_quantize(w, 128)
+    assert torch.equal(s.double(), s_ref)  # amax / 448 in fp32 is exactly the float64 quotient rounded
+    same = q.double() == q_ref
+    assert same[~tie].all(), f"{(~same & ~tie).sum()} codes differ from the float64 rounding"
+    # near a tie the fp32 quotient may round the other way (one step at most); bf16 inputs (8 significant bits)
+    # make near ties common (up to 0.4% of the values here)
+    assert tie.float().mean() < 0.01 and ((q.double() - q_ref).abs() <= e4m3_round(q_ref.abs())[0] / 8).all()
+    # dequantize is q * scale, in fp32; each value within half an e4m3 step of w (2^-4 relative; 2^-10 of the
+    # scale where q is subnormal)
+    deq = fp8.dequantize(q, s)
+    assert deq.dtype == torch.float32 and fp8.dequantize(q, s, torch.bfloat16).dtype == torch.bfloat16
+    S = expand(s_ref, 128, N, K)
+    assert torch.allclose(deq.double(), q.double() * S, rtol=2**-24, atol=0)
+    bound = torch.maximum(2**-4 * w.double().abs(), 2**-10 * S) * (1 + 1e-6)
+    assert ((w.double() - deq.double()).abs() <= bound).all()
+
+
+def test_all_zero_blocks_give_exact_zeros_and_no_nan():
+    w = blocky(300, 260, seed=1)
+    w[128:256, :] = 0  # a row of all-zero blocks
+    w[256:, 256:] = 0  # the ragged corner block [44, 4], all zero
+    w[:128, 128:256] *= 1e-6 / w[:128, 128:256].abs().max()  # amax 1e-6, under AMAX_MIN
+    q, s = fp8.quantize(w)
+    deq = fp8.dequantize(q, s)
+    assert torch.isfinite(s).all() and not q.float().isnan().any() and torch.isfinite(deq).all()
+    floor = torch.tensor(fp8.AMAX_MIN, dtype=torch.float32) / 448
+    assert torch.equal(s[1], floor.expand(3)) and s[2, 2] == floor
+    assert torch.equal(deq[128:256], torch.zeros(128, 260)) and torch.equal(deq[256:, 256:], torch.zeros(44, 4))
+    # the tiny block is quantized against 1e-4, not its own amax: its largest code is 448 * 1e-6 / 1e-4 = 4.48,
+    # rounded to 4.5, and its absolute error stays under half an e4m3 step of 4.5 (2^-2 of the scale)
+    assert q[:128, 128:256].float().abs().max() == 4.5
+    assert (deq[:128, 128:256] - w[:128, 128:256]).abs().max() <= 2**-2 * floor
+    x = torch.zeros(2, 300)
+    xq, xs = fp8.quantize_activations(x)
+    assert torch.equal(xq.float(), x) and torch.equal(xs, floor.expand(2, 3))
+
+
+def test_each_block_largest_value_saturates_at_448():
+    """The block's amax maps to +-448 exactly (its code is the largest), also where amax / fl(amax / 448)
+    rounds above 448 (the clamp); an outlier only shrinks its own block's resolution."""
+    w = blocky(1024, 1024, seed=2)
+    w[5, 7] = 1e4  # an outlier in block (0, 0)
+    q, s = fp8.quantize(w)
+    blocks = w.double().view(8, 128, 8, 128)
+    amax = blocks.abs().amax(dim=(1, 3))
+    assert (amax / s.double() > 448).any()  # the rounding the clamp is for happens in these blocks
+    qb = q.float().view(8, 128, 8, 128)
+    assert torch.equal(qb.abs().amax(dim=(1, 3)), torch.full((8, 8), 448.0))
+    assert q[5, 7].float() == 448 and fp8.dequantize(q, s)[5, 7] == 448 * s[0, 0]
+    assert (fp8.dequantize(q, s)[128:, 128:] - w[128:, 128:]).abs().max() < 0.1 * w[128:, 128:].abs().max()
+    x = torch.randn(3, 256)
+    x[1, 200] = -3e4
+    xq, xs = fp8.quantize_activations(x)
+    assert xq[1, 200].float() == -448 and xq.float().abs().max() == 448 and not xq.float().isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_activations_per_1x128_group(dtype):
+    x = blocky(6, 300, seed=3, rows=1, lo=-6, hi=6).to(dtype)
+    xq, xs = fp8.quantize_activations(x.view(2, 3, 300))
+    assert xq.shape == (2, 3, 300) and xq.dtype == torch.float8_e4m3fn and xs.shape == (2, 3, 3)
+    assert xs.dtype == torch.float32
+    q_ref, s_ref, tie = ref_quantize(x, 1)
+    assert torch.equal(xs.view(6, 3).double(), s_ref)
+    assert ((xq.view(6, 300).double() == q_ref) | tie).all() and tie.float().mean() < 0.01
+
+
+# ----------------------------------------------------------------------------------------------- the matmul
+
+def ref_linear(x, w, b=None):
+    """float64: x's 1 x 128 groups and w's 128 x 128 blocks quantized (ref_quantize), dequantized, multiplied;
+    -> [..., N] float64."""
+    *lead, K = x.shape
+    xq, xs, _ = ref_quantize(x.reshape(-1, K), 1)
+    wq, ws, _ = ref_quantize(w, 128)
+    y = (xq * expand(xs, 1, *xq.shape)) @ (wq * expand(ws, 128, *wq.shape)).T
+    return (y if b is None else y + b.double()).view(*lead, -1)
+
+
+def quantized(N, K, seed):
+    w = blocky(N, K, seed=seed)
+    b = torch.randn(N, generator=torch.Generator().manual_seed(seed)) * w.abs().max()
+    return w, *fp8.quantize(w), b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_linear_against_float64(dtype):
+    w, q, s, b = quantized(200, 300, seed=4)
+    x = blocky(14, 300, seed=5, rows=1, lo=-4, hi=4).view(2, 7, 300).to(dtype)
+    y = fp8.reference_linear(x, q, s, b.to(dtype))
+    assert y.shape == (2, 7, 200) and y.dtype == dtype
+    ref = ref_linear(x, w, b.to(dtype))
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    wrong = []
+    if dtype == torch.float32:  # activations left unquantized; the weight's scales of another block row
+        wrong = [x.double() @ fp8.dequantize(q, s).double().T + b.double(),
+                 fp8.reference_linear(x, q, s.flip(0), b)]
+    check(y, ref, tol, wrong, what=f"reference_linear {dtype}")
+    check(fp8.reference_linear(x, q, s), ref_linear(x, w), tol, what="no bias")
+    xt = x.transpose(0, 1).contiguous().transpose(0, 1)  # a strided view (as Attention.project's out[:, keep])
+    assert not xt.is_contiguous() and torch.equal(fp8.reference_linear(xt, q, s, b.to(dtype)), y)
+    assert torch.equal(fp8.quantize(w.T.contiguous().T)[0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(fp8.fp8_linear(x, q, s, b.to(dtype)), y)  # on a CPU fp8_linear is the reference
+    with pytest.raises(TypeError, match="quantize last"):
+        fp8.fp8_linear(x, q.to(torch.bfloat16), s)
+
+
+# ----------------------------------------------------------------------------------------------- Triton
+
+def _interpreted():
+    try:
+        import triton.language as tl
+    except ImportError:
+        return None
+    return type(tl.max).__name__ == "InterpretedFunction"  # conftest imported triton in interpreter mode
+
+
+@pytest.fixture
+def interpreter(monkeypatch):
+    state = _interpreted()
+    if state is None:
+        pytest.skip("no triton")
+    if not state:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run this file in its own process")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(5, 200, 300), (1, 16, 32), (33, 64, 128), (70, 130, 256)])
+def test_triton_kernel_in_the_interpreter(interpreter, dtype, M, N, K):
+    """The kernel (tiles of 16-128 rows, 64-128 columns, ragged M, N and K, several K blocks) against the
+    float64 reference. Covered here: the masks, the on-chip activation quantization, the per-block scales and
+    fp32 accumulation, the bias. Not covered: the GPU's own fp32 -> e4m3 conversion (the interpreter's
+    misrounds, so under it the kernel rounds on the e4m3 grid first and the cast is exact) and fp8 tensor cores
+    (see test_kernel_compiles_for_h100 and the CUDA test)."""
+    w, q, s, b = quantized(N, K, seed=M + N + K)
+    x = blocky(M, K, seed=M, rows=1, lo=-4, hi=4).to(dtype)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    y = fp8.triton_linear(x, q, s, b.to(dtype))
+    assert y.shape == (M, N) and y.dtype == dtype
+    wrong = [x.double() @ fp8.dequantize(q, s).double().T + b.double()] if dtype == torch.float32 else []
+    check(y, ref_linear(x, w, b.to(dtype)), tol, wrong, what=f"triton {M}x{N}x{K} {dtype}")
+    check(fp8.triton_linear(x[None], q, s), ref_linear(x[None], w), tol, what="3-d input, no bias")
+    xt = x.T.contiguous().T  # strided rows
+    assert torch.equal(fp8.triton_linear(xt, q, s, b.to(dtype)), y)
+
+
+def test_fp8_linear_runs_the_kernel_under_the_interpreter(interpreter, monkeypatch):
+    calls = []
+    real = fp8.triton_linear
+    monkeypatch.setattr(fp8, "triton_linear", lambda *a: calls.append(1) or real(*a))
+    w, q, s, b = quantized(64, 96, seed=6)
+    x = torch.randn(3, 96)
+    check(fp8.fp8_linear(x, q, s, b), fp8.reference_linear(x, q, s, b).double(), FP32_TOL, what="dispatch")
+    assert calls == [1]
+
+
+COMPILE_SCRIPT = """
+import fp8, triton
+fp8._compiled(False)  # sets the kernel's global tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+fn = JITFunction(fp8._gemm_kernel)
+for M in (1, 4096):  # a decode step (mma.sync tiles of 16 rows) and a prefill (wgmma)
+    BM, BN, warps = fp8._tiles(M)
+    consts = dict(BM=BM, BN=BN, BK=128, HAS_BIAS=True, AMAX_MIN=fp8.AMAX_MIN, QMAX=fp8.E4M3_MAX, ROUND_FIRST=False,
+                  sxk=1, swk=1, swsk=1, syn=1)
+    ptr = dict(X="*bf16", W="*fp8e4nv", WS="*fp32", BIAS="*bf16", Y="*bf16")
+    sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=3))
+    assert k.asm["cubin"] and "cvt.rn.satfinite.e4m3x2" in k.asm["ptx"], M
+    print(M, "ok")
+"""
+
+
+def test_kernel_compiles_for_h100():
+    """The GPU compiler rejects some programs the interpreter runs (fp8 tl.dot operands, block shapes): compile
+    the kernel for sm_90 with Triton's compiler and ptxas (no GPU needed), in a fresh process (this one's triton
+    is in interpreter mode), and check that the activations are cast by the hardware's saturating e4m3 convert."""
+    compile_for_h100(COMPILE_SCRIPT)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_linear_matches_the_cpu_reference():
+    """On a GPU: the paths that passed fp8_linear's first-use check (scaled_mm on sm_90 with cuBLASLt >= 12.9,
+    the compiled Triton kernel) against the CPU reference, bf16 activations as on the engine, decode and
+    prefill row counts, K and N multiples of 128 (scaled_mm's) and ragged (the kernel's)."""
+    paths = fp8._working_paths(torch.device("cuda"))
+    assert "triton" in paths, paths
+    for M, N, K in [(1, 512, 1024), (37, 384, 1152), (300, 256, 640), (5, 200, 300)]:
+        w, q, s, b = quantized(N, K, seed=M)
+        x = blocky(M, K, seed=M, rows=1, lo=-4, hi=4).to(torch.bfloat16)
+        ref = fp8.reference_linear(x, q, s, b.to(torch.bfloat16))
+        args = (x.cuda(), q.cuda(), s.cuda(), b.to(torch.bfloat16).cuda())
+        check(fp8.fp8_linear(*args).cpu(), ref, BF16_TOL, what=f"fp8_linear {M}x{N}x{K}")
+        check(fp8.triton_linear(*args).cpu(), ref, BF16_TOL, what=f"triton {M}x{N}x{K}")
+        if "scaled_mm" in paths and K % 128 == 0 and N % 128 == 0:
+            check(fp8.scaled_mm_linear(*args).cpu(), ref, BF16_TOL, what=f"scaled_mm {M}x{N}x{K}")
+
+
+# ----------------------------------------------------------------------------------------------- the model
+# tests/test_engine.py's tiny_model: every matrix is one ragged block
+
+QUANTIZED = {f"layers.{i}.{n}.weight" for i in range(2) for n in ("self_attn.q_proj", "self_attn.k_proj",
+             "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+
+
+def test_is_quantized():
+    for name in QUANTIZED | {"model.layers.7.self_attn.o_proj.weight", "layers.39.mlp.down_proj.weight"}:
+        assert fp8.is_quantized(name), name
+    for name in ("layers.0.self_attn.indexer.wq.weight", "layers.0.self_attn.indexer.wk.weight",
+                 "layers.0.self_attn.indexer.weights_proj.weight", "layers.0.self_attn.q_proj.bias", "lm_head.weight",
+                 "embed_tokens.weight", "layers.0.input_layernorm.weight", "norm.weight",
+                 "layers.0.mlp.down_proj.weight_scale_inv", "xlayers.0.mlp.down_proj.weight"):
+        assert not fp8.is_quantized(name), name
+
+
+@pytest.mark.parametrize("dsa", [None, DSA], ids=["dense", "dsa"])
+def test_quantize_model_replaces_the_decoder_linears_only(dsa):
+    model = tiny_model(dsa).cast_(torch.bfloat16)  # the generator: bf16, dsa.FP32_PARAMS fp32
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    q = fp8.quantize_model_(copy.deepcopy(model))
+    params = dict(q.named_parameters())
+    assert {n for n, p in params.items() if p.dtype == torch.float8_e4m3fn} == QUANTIZED
+    assert {n for n in params if n.endswith("_scale_inv")} == {n + "_scale_inv" for n in QUANTIZED}
+    assert set(params) == set(before) | {n + "_scale_inv" for n in QUANTIZED}
+    for name in QUANTIZED:
+        module = q.get_submodule(name.removesuffix(".weight"))
+        assert isinstance(module, fp8.FP8Linear) and not params[name].requires_grad
+        ref_q, ref_s = fp8.quantize(before[name])
+        assert torch.equal(params[name].view(torch.uint8), ref_q.view(torch.uint8))
+        assert params[name + "_scale_inv"].dtype == torch.float32 and torch.equal(params[name + "_scale_inv"], ref_s)
+    for name, t in before.items():  # everything else as it was: indexer, lm_head, embeddings, norms, biases
+        if name not in QUANTIZED:
+            assert params[name].dtype == t.dtype and torch.equal(params[name], t), name
+            assert params[name].dtype == (torch.float32 if name.endswith(FP32_PARAMS) else torch.bfloat16), name
+    if dsa:
+        assert type(q.layers[0].self_attn.indexer.wq) is torch.nn.Linear
+    # its forward: close to the bf16 model's (tolerances: the module docstring), and really fp8
+    ids = torch.randint(0, 40, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = model(ids).float(), q(ids).float()
+    dlogp = (b.log_softmax(-1) - a.log_softmax(-1)).abs()
+    assert b.dtype == torch.float32 and q(ids).dtype == torch.bfloat16
+    with torch.no_grad():  # a decode step's keep: the last block's o_proj and MLP on a strided view of one position
+        check(q(ids, keep=slice(-1, None)), q(ids)[:, -1:], BF16_TOL, what="keep")
+    assert 0.01 < dlogp.mean() <= 0.25 and err(b, a) <= 0.5, (dlogp.mean(), err(b, a))
+
+
+def test_meta_model_filled_from_quantized_weights_by_name():
+    """The engine's path: a generator built on the meta device, quantized there, allocated, then filled by name
+    (engine.update_weights: dict(model.named_parameters())[name].copy_(t)) from quantized_weights of the
+    learner's bf16 tensors: the same forward as quantizing the learner's model directly."""
+    src = tiny_model(DSA).cast_(torch.bfloat16)
+    with torch.device("meta"):
+        gen = fp8.quantize_model_(GLM(src.cfg).cast_(torch.bfloat16))
+    assert {n for n, p in gen.named_parameters() if p.dtype == torch.float8_e4m3fn} == QUANTIZED
+    assert all(p.device.type == "meta" for p in gen.parameters())
+    gen.to_empty(device="cpu")
+    params, filled = dict(gen.named_parameters()), []
+    with torch.no_grad():
+        for name, t in fp8.quantized_weights((n, p.detach()) for n, p in src.named_parameters()):
+            assert params[name].shape == t.shape and params[name].dtype == t.dtype, name
+            params[name].copy_(t)
+            filled.append(name)
+    assert sorted(filled) == sorted(params)
+    ids = torch.randint(0, 40, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(gen(ids), fp8.quantize_model_(copy.deepcopy(src))(ids))
+
+
+def test_quantized_weights_is_lazy():
+    w = torch.randn(300, 96)
+    emb, norm = torch.randn(40, 96), torch.ones(96)
+    pulled = []
+
+    def source():
+        for item in [("embed_tokens.weight", emb), ("layers.0.mlp.down_proj.weight", w), ("norm.weight", norm)]:
+            pulled.append(item[0])
+            yield item
+
+    it = fp8.quantized_weights(source())
+    assert pulled == []
+    name, t = next(it)
+    assert name == "embed_tokens.weight" and t is emb and pulled == ["embed_tokens.weight"]
+    name, q = next(it)
+    assert name == "layers.0.mlp.down_proj.weight" and q.dtype == torch.float8_e4m3fn and len(pulled) == 2
+    name, s = next(it)  # its scales: no further tensor read
+    assert name == "layers.0.mlp.down_proj.weight_scale_inv" and s.shape == (3, 1) and len(pulled) == 2
+    ref_q, ref_s = fp8.quantize(w)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+    assert next(it) == ("norm.weight", norm) and next(it, None) is None
+
+
+def test_weight_bytes():
+    """Against the bytes counted from the shapes by hand: quantized linears 1 byte + 4 per 128 x 128 block,
+    dsa.FP32_PARAMS 4 bytes, the rest 2; and for GLM-Z1-9B-0414 from its published config."""
+    cfg = tiny_model(DSA).cfg
+    expect = 0
+    for name, p in tiny_model(DSA).named_parameters():
+        if name in QUANTIZED:
+            expect += p.numel() + 4 * -(-p.shape[0] // 128) * -(-p.shape[1] // 128)
+        else:
+            expect += p.numel() * (4 if name.endswith(FP32_PARAMS) else 2)
+    assert fp8.weight_bytes(cfg) == expect
+    import config
+    c = GLMConfig.from_hf(config.PUBLISHED["GLM-Z1-9B-0414"])
+    H, I, D, V, L = c.hidden_size, c.intermediate_size, c.head_dim, c.vocab_size, c.num_layers
+    shapes = [(c.num_heads * D, H), (c.num_kv_heads * D, H), (c.num_kv_heads * D, H), (H, c.num_heads * D),
+              (2 * I, H), (H, I)]
+    linear = sum(n * k + 4 * -(-n // 128) * -(-k // 128) for n, k in shapes)
+    rest = 2 * ((c.num_heads + 2 * c.num_kv_heads) * D + 4 * H)  # q/k/v biases and the four norms, bf16
+    assert fp8.weight_bytes(c) == L * (linear + rest) + 2 * (2 * V * H + H)  # + embeddings, lm_head, final norm
+    bf16 = 2 * (L * (sum(n * k for n, k in shapes) + rest // 2) + 2 * V * H + H)
+    assert 0.56 < fp8.weight_bytes(c) / bf16 < 0.57  # 10.6 of 18.8 GB: the embeddings and lm_head stay bf16
