@@ -85,7 +85,7 @@ def markdown(result):
     for name, m in result["generators"].items():
         lines.append(f"| {name} | {m['tokens']} | {m['mismatch_k3']:.2e} | {m['logp_diff_mean']:.2e} | "
                      f"{m['logp_diff_max']:.3f} | {m['outside_icepop']:.2%} | {m['above_tis_c2']:.2%} | "
-                     f"{m['weight_bytes'] / 2**20:,.0f} MiB |")
+                     f"{m['weight_bytes'] / 2**20:,.2f} MiB |")
     return "\n".join(lines)
 
 
@@ -113,7 +113,7 @@ def main():
         tok = AutoTokenizer.from_pretrained(args.checkpoint)
         prompts = [data.render_prompt(tok, ex["prompt"]) for ex in data.synthetic_task(args.rows, args.seed, "test")]
     result = {"model": (args.checkpoint or f"random {args.shape}-shaped GLM, {learner.cfg.num_layers} layers") +
-              f" ({n / 1e9:.2f}B parameters)", "rows": args.rows, "new": args.new, "temperature": args.temperature,
+              f" ({n / 1e6:,.1f}M parameters)", "rows": args.rows, "new": args.new, "temperature": args.temperature,
               "generators": {}}
     for name, dtype, quantization in GENERATORS:
         print(f"[mismatch] {name} generator ...", flush=True)
