@@ -337,6 +337,7 @@ class _Runner:
 
     def __init__(self, config):
         self.config, self.uid, self.tmp, warnings = config, None, tempfile.gettempdir(), []
+        self.private, self.kept = False, {}  # /tmp and /dev/shm are ours (a tmpfs in our namespace); entries bound back
         root, real_uid, real_gid = os.geteuid() == 0, os.getuid(), os.getgid()
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the runs become this process's children, to be reaped
         try:
@@ -366,16 +367,18 @@ class _Runner:
         if namespaces:
             try:
                 _mount(None, "/", None, MS_REC | MS_PRIVATE)  # first: nothing mounted below reaches the host
+                paths = self._interpreter_paths()
                 if self.uid is not None:
-                    hidden = _expose(self._interpreter_paths())
+                    hidden = _expose(paths)
                 size = f"size={config['disk_mb']}m"
                 for d in ("/tmp", "/dev/shm"):
-                    if os.path.isdir(d):
-                        _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,{size}")
-                self.tmp = "/tmp"
+                    if os.path.isdir(d):  # a private tmpfs, with whatever of the interpreter lives there (a venv
+                        self.kept[d] = _names_under(d, paths)  # in /tmp/<checkout>) bound back in: never cleaned
+                        _cover(d, self.kept[d], f"mode=1777,{size}")
+                self.tmp, self.private = "/tmp", True
             except OSError as e:
                 warnings.append(f"private /tmp not set up ({e}): runs use the host's {self.tmp}")
-        self.hello = {"pid": os.getpid(), "uid": self.uid, "network": namespaces, "private_tmp": self.tmp == "/tmp",
+        self.hello = {"pid": os.getpid(), "uid": self.uid, "network": namespaces, "private_tmp": self.private,
                       "hidden": hidden, "warnings": warnings}
 
     def _interpreter_paths(self):
@@ -491,9 +494,11 @@ class _Runner:
 
     def _clean(self, scratch):
         shutil.rmtree(scratch, ignore_errors=True)
-        if self.tmp == "/tmp":  # ours alone: whatever the code left in /tmp or /dev/shm goes too
+        if self.private:  # ours alone (never the host's /tmp): whatever the code left in /tmp or /dev/shm goes too
             for d in ("/tmp", "/dev/shm"):
                 for entry in os.scandir(d) if os.path.isdir(d) else ():
+                    if entry.name in self.kept.get(d, ()):  # the interpreter's own, bound in from the host
+                        continue
                     if entry.is_dir(follow_symlinks=False):
                         shutil.rmtree(entry.path, ignore_errors=True)
                     else:
@@ -605,18 +610,32 @@ def _expose(paths):
                 if not os.stat(d).st_mode & stat.S_IXOTH:
                     keep.setdefault(d, set()).add(parts[i])
     for d in sorted(keep, key=lambda d: d.count("/")):  # outer first: an inner one is reached through its bind
-        held = {name: os.open(os.path.join(d, name), os.O_PATH) for name in sorted(keep[d])
-                if os.path.lexists(os.path.join(d, name))}
-        _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711,size=1m")
-        for name, fd in held.items():
-            spot = os.path.join(d, name)
-            if stat.S_ISDIR(os.fstat(fd).st_mode):
-                os.mkdir(spot)
-            else:
-                open(spot, "x").close()
-            _mount(f"/proc/self/fd/{fd}", spot, None, MS_BIND | MS_REC)
-            os.close(fd)
+        _cover(d, keep[d], "mode=0711,size=1m")
     return sorted(keep)
+
+
+def _names_under(d, paths):
+    """The entries of directory d that any of `paths` (or the targets of their links) goes through."""
+    names = set()
+    for path in paths:
+        for p in {os.path.abspath(path), os.path.realpath(path)}:
+            if p.startswith(d.rstrip("/") + "/"):
+                names.add(p[len(d.rstrip("/")) + 1:].split("/")[0])
+    return names
+
+
+def _cover(d, names, options):
+    """Mount a fresh tmpfs over directory d, binding back its entries `names` (only those stay reachable)."""
+    held = {n: os.open(os.path.join(d, n), os.O_PATH) for n in sorted(names) if os.path.lexists(os.path.join(d, n))}
+    _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    for name, fd in held.items():
+        spot = os.path.join(d, name)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.mkdir(spot)
+        else:
+            open(spot, "x").close()
+        _mount(f"/proc/self/fd/{fd}", spot, None, MS_BIND | MS_REC)
+        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- Linux calls (ctypes: os.unshare is 3.12)

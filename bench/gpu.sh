@@ -7,7 +7,7 @@
 #   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
 #   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
 #
-# Parts (their timeouts: T1 ... T6, T4a ... T4d; all of them within BUDGET seconds from the start):
+# Parts (their timeouts: T1 ... T6, T4a ... T4e; all of them within BUDGET seconds from the start):
 #   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
 #       CUDA branch when there is one, found in tests/ by name, plus the sm_90 compile of the Triton kernels. They
 #       are the only tests that run dsa_triton's kernels compiled on a GPU: tests/test_dsa_triton.py runs them
@@ -15,7 +15,8 @@
 #   2   bench/parity.py: teacher-forced logprobs of the learner (bf16 autocast), the generator's prefill (bf16
 #       weights) and TorchEngine (CUDA graphs) against a float64 reference; tiny and 9B-width, dense and DSA
 #   3   bench/gpu_memory.py: each phase's peak memory on a 4-layer cut of GLM-Z1-9B beside memory.memory_plan
-#   4   bench/scale.py, with and without the Triton kernels: 4a/4b dense, 4c/4d DSA (sequences past top-k)
+#   4   bench/scale.py, with and without the Triton kernels: 4a/4b dense, 4c/4d DSA (sequences past top-k);
+#       4e dense with an fp8 generator (rollout.quantization: fp8): its decode tokens/s beside 4a's
 #   5   the tiny default run on one GPU (configs/tiny_cpu.yaml), its final held-out accuracy against the README's
 #       CPU seeds
 #   6   bench/fp8.py: FP8 generator weights at GLM-Z1-9B's shapes: quantization error, quantize time, and the fp8
@@ -311,7 +312,7 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------------ the parts
-say "plan: parts 1 (GPU-only tests), 2 (parity), 3 (memory), 4a-4d (speed), 5 (tiny run), 6 (fp8); budget ${BUDGET}s"
+say "plan: parts 1 (GPU-only tests), 2 (parity), 3 (memory), 4a-4e (speed), 5 (tiny run), 6 (fp8); budget ${BUDGET}s"
 if [[ $DRY == 1 ]]; then
     say "part 1 would run: ${GPU_TESTS:-none found}"
 fi
@@ -339,6 +340,7 @@ run_part 4b "speed dense no kernels" 60 1 "$SCALE --gen-batch 64,256 --new-token
 DSA_SCALE="$SCALE --dsa --prompt 2048 --response 2048 --samples 4 --gen-batch 32 --new-tokens 64 --steps 1"
 run_part 4c "speed DSA kernels" 45 1 "$DSA_SCALE" x_scale
 run_part 4d "speed DSA no kernels" 45 1 "$DSA_SCALE --no-kernels" x_scale
+run_part 4e "speed dense fp8 generator" 45 1 "$SCALE --gen-batch 64,256 --new-tokens 128 --steps 1 --fp8" x_scale
 
 run_part 5 "tiny run" 150 1 \
     "rm -rf $OUT/5_tiny && $PY train.py train.learner_device=cuda:0 train.generator_device=cuda:0 run_dir=$OUT/5_tiny" x_tiny

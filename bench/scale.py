@@ -43,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import config  # noqa: E402
 import dsa  # noqa: E402
+import fp8  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
@@ -99,6 +100,7 @@ def main():
     ap.add_argument("--steps", type=int, help="timed learner steps (after one warm-up step)")
     ap.add_argument("--no-kernels", action="store_true",
                     help="PyTorch paths instead of dsa_triton's kernels (DSA and the engine's sampler), to compare")
+    ap.add_argument("--fp8", action="store_true", help="the generator's decoder linears in block-wise fp8 (rollout.quantization)")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md (section scale)")
     args = ap.parse_args()
     dsa.USE_TRITON = not args.no_kernels
@@ -167,13 +169,16 @@ def main():
     gen_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         gen_model = GLM(arch).cast_(gen_dtype)  # as engine.make_engine: dsa.FP32_PARAMS stay fp32
+        if args.fp8:
+            fp8.quantize_model_(gen_model)  # as make_engine with rollout.quantization: fp8
     engine = TorchEngine(gen_model.to_empty(device=device), max_batch=max(batches), graphs=device.type == "cuda")
-    engine.update_weights(parallel.full_weights(learner, gen_dtype), 0)  # fills the empty copy (and warms up)
+    quantization = "fp8" if args.fp8 else None
+    engine.update_weights(parallel.full_weights(learner, gen_dtype, quantization), 0)  # fills the empty copy (and warms up)
     publish_s = []
     for version in range(1, 4):
         parallel.barrier()
         t0 = time.perf_counter()
-        engine.update_weights(parallel.full_weights(learner, gen_dtype), version)  # synchronizes on cuda itself
+        engine.update_weights(parallel.full_weights(learner, gen_dtype, quantization), version)  # synchronizes on cuda itself
         publish_s.append(time.perf_counter() - t0)
     del learner, model, optimizer, m  # from here on the GPU holds the generator alone: its memory is its own
     gc.collect()

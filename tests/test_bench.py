@@ -11,8 +11,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "5", "6"]
-CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "5"]
+PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6"]
+CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "5"]
 
 
 @pytest.fixture(scope="module")

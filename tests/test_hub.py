@@ -133,3 +133,20 @@ def test_a_run_from_hub_ids_records_the_revision_and_resumes(cache, tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows if r["stage"] == "rl"] == [0, 1, 2]
+
+
+def test_two_processes_start_from_hub_ids(cache, tmp_path):
+    """train.pairs=2: this process fetches, its two processes (started through torchrun's launcher) agree on rank
+    0's pinned commits through parallel.once_per_machine and read the cache only."""
+    run_dir = str(tmp_path / "two")
+    args = [sys.executable, "train.py", "--config", TINY, f"run_dir={run_dir}", "model.init=null", "train.pairs=2",
+            "model.path=owner/tiny-glm", "model.dsa=null", "data.train=owner/sums:train", "data.eval=owner/sums/test.jsonl",
+            "train.dsa_warmup_steps=0", "train.sft_steps=0", "train.rl_steps=1", "rollout.prompts_per_step=2",
+            "rollout.n=2", "train.eval_n=1", "data.eval_size=4", "rollout.max_new_tokens=8", "train.eval_max_new_tokens=8"]
+    env = os.environ | {"HF_HUB_CACHE": cache, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    saved = yaml.safe_load(open(os.path.join(run_dir, "config.yaml")))
+    assert saved["model"]["path"] == f"owner/tiny-glm@{SHA}" and saved["data"]["eval"] == f"owner/sums@{SHA}/test.jsonl"
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if r["stage"] == "rl"] == [0, 1] and "eval/test/accuracy" in rows[0]

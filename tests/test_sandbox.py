@@ -76,6 +76,16 @@ def test_scratch_directory_environment_and_user(box):
         assert box.run(f"import os\nos.listdir({d!r})").error.startswith("PermissionError")
 
 
+def test_the_hosts_tmp_is_neither_seen_nor_cleaned(box, tmp_path):
+    """With a private /tmp, a run neither sees nor wipes the host's /tmp (pytest's tmp_path lives there), while a
+    checkout and virtualenv under /tmp (CI's clone) stay reachable: the interpreter runs at all."""
+    marker = tmp_path / "marker"
+    marker.write_text("host")
+    r = box.run(f"import os; print(os.path.exists({str(marker)!r}))")
+    assert r.stdout == ("False\n" if box.isolation["private_tmp"] else "True\n")
+    assert marker.read_text() == "host"  # the runs' cleaning never reaches the host's /tmp
+
+
 def test_an_infinite_loop_times_out(box):
     start = time.perf_counter()
     r = box.run("while True:\n    pass", timeout_s=1)
