@@ -475,9 +475,10 @@ def test_an_fp8_run_resumes_exactly(sync_run, tmp_path):
     stopped after RL step 2 and resumed ends as the uninterrupted one, and its rollouts really came from the fp8
     generator: its logprobs sit ~1e-2 from the learner's, where the CPU's fp32 generator's sit ~1e-6 away."""
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    run_train(whole, "rollout.max_staleness=0", "rollout.quantization=fp8")
-    run_train(split, "rollout.max_staleness=0", "rollout.quantization=fp8", "train.rl_steps=2")
-    run_train(split, "train.rl_steps=4", resume=True)
+    fp8 = ["rollout.max_staleness=0", "rollout.quantization=fp8", "train.dsa_warmup_steps=0", "train.sft_steps=0"]
+    run_train(whole, *fp8)
+    run_train(split, *fp8, "train.rl_steps=2")
+    run_train(split, *fp8, "train.rl_steps=4", resume=True)
     assert_same_run(split, whole)
     gap = lambda run: max(r["train/logp_diff_mean"] for r in metrics(run) if "train/logp_diff_mean" in r)  # noqa: E731
     assert gap(whole) > 1e-3 > 1e-4 > gap(sync_run)
