@@ -47,8 +47,8 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 # -----------------------------------------------------------------------------
 # 1. Prompt datasets
-# A prompt file is JSONL, one JSON object per line, or Parquet (.parquet, one row per problem, nested structs as
-# dicts): {"prompt": str | [{"role": ..., "content": ...}, ...], "label": str, ...}. An example is the whole
+# A prompt file is JSONL, one JSON object per line (a .json file may hold one JSON array of them instead), or
+# Parquet (.parquet, one row per problem, nested structs as dicts): {"prompt": str | [{"role": ..., "content": ...}, ...], "label": str, ...}. An example is the whole
 # object, every field kept (a custom reward may grade with metadata such as "difficulty" or test cases), plus the
 # normalised fields the rest of the code reads: "prompt", "label" (a string) and, for the supervised stage,
 # "solution" (the reference response). The keys naming them (data.prompt_key, ...) may be paths into nested
@@ -58,6 +58,7 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 # A JSONL line is one problem: even long ones are kilobytes. A 200 MB line used to be read whole
 # and then OOM-killed the tokenizer with no message; now reading stops at this size, with file:line.
 MAX_LINE_BYTES = 8 * 2**20
+MAX_JSON_BYTES = 256 * 2**20  # a .json file holding one JSON array is read whole: eval sets, not training corpora
 PARQUET_BATCH_ROWS = 1024  # Parquet is read this many rows at a time: memory holds the rows kept, not the file
 
 
@@ -85,7 +86,7 @@ def load_rows(path, prompt_key="prompt", label_key="label", response_key=None, *
     for p in paths:
         parquet = p.suffix.lower() == ".parquet"
         rows_before = rows
-        for where, obj in _parquet_rows(p) if parquet else _jsonl_rows(p):
+        for where, obj in _parquet_rows(p) if parquet else _json_rows(p) if p.suffix.lower() == ".json" else _jsonl_rows(p):
             rows += 1
             example = _example(obj, where, copies)
             if dedup:
@@ -132,6 +133,29 @@ def _jsonl_rows(path):
             if not isinstance(obj, dict):
                 raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             yield where, obj
+
+
+def _json_rows(path):
+    """(file:item N, object) of a .json file holding one JSON array of objects (as some Hub datasets ship their
+    sets); a .json file that is really JSONL (as others do) is read as JSONL."""
+    with open(path, "rb") as f:
+        if not f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+            yield from _jsonl_rows(path)
+            return
+    if os.path.getsize(path) > MAX_JSON_BYTES:
+        raise ValueError(f"{path}: a JSON array larger than {_size(MAX_JSON_BYTES)} (data.MAX_JSON_BYTES) is read "
+                         "whole; write it as JSONL (one object per line) instead")
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            items = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({_one_line(e)}); expected an array of objects or JSONL") from None
+    if not isinstance(items, list):
+        raise ValueError(f"{path}: expected a JSON array of objects, got {type(items).__name__}")
+    for i, obj in enumerate(items, 1):
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path}:item {i}: expected a JSON object, got {type(obj).__name__}")
+        yield f"{path}:item {i}", obj
 
 
 def _parquet_rows(path):

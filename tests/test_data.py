@@ -206,6 +206,24 @@ def test_load_rows_parquet(tmp_path, monkeypatch):
     assert load_rows(p) == [{"prompt": "q", "label": "1"}]
 
 
+def test_load_rows_json_array_or_jsonl_named_json(tmp_path, monkeypatch):
+    """A .json file may hold one JSON array of objects (as some Hub datasets ship their eval sets) or be JSONL
+    under that name (as others do); both read the same rows, with errors naming file:item N."""
+    rows = [{"problem": "q1", "answer": 7}, {"problem": "q2", "answer": "80"}]
+    want = [{**r, "prompt": r["problem"], "label": str(r["answer"])} for r in rows]
+    array = write(tmp_path, "\ufeff  " + json.dumps(rows, indent=1), name="aime.json")  # a BOM and a pretty-print
+    assert load_rows(array, "problem", "answer") == want
+    lines = write(tmp_path, "".join(json.dumps(r) + "\n" for r in rows), name="aime2.json")
+    assert load_rows(lines, "problem", "answer") == want
+    with pytest.raises(ValueError, match=r"bad\.json:item 2: expected a JSON object, got list"):
+        load_rows(write(tmp_path, '[{"prompt": "q", "label": "1"}, [1]]', name="bad.json"))
+    with pytest.raises(ValueError, match=r"cut\.json: not valid JSON"):
+        load_rows(write(tmp_path, '[{"prompt": "q", "label": "1"}', name="cut.json"))
+    monkeypatch.setattr(data, "MAX_JSON_BYTES", 10)
+    with pytest.raises(ValueError, match="larger than 10 bytes .* write it as JSONL"):
+        load_rows(array, "problem", "answer")
+
+
 def test_load_rows_parquet_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "PARQUET_BATCH_ROWS", 2)
     rows = [{"prompt": "a", "rm": {"gt": "1"}}] * 2 + [{"prompt": "c", "rm": {"gt": None}}]
