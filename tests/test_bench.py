@@ -1,5 +1,5 @@
 """bench/gpu.sh in dry mode (what a CPU machine runs of it) and the CPU sides of its scripts: bench/parity.py
-on tiny shapes in bf16, bench/gpu_memory.py's plan, bench/fp8.py on small shapes. The CUDA parts are only
+on tiny shapes in bf16, bench/gpu_memory.py's plan, bench/fp8.py's error table on one small shape. The CUDA parts are only
 planned here; a GPU machine runs them (`bash bench/gpu.sh OUTDIR`). No timing is asserted."""
 import copy
 import json
@@ -12,7 +12,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6"]
-CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "5"]
+CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "5", "6"]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
         assert f"---- part {part}:" in r.stdout  # planned: its command and timeout printed
     for part in CUDA_PARTS:
         assert f"SKIP part {part} (" in r.stdout and "needs CUDA" in r.stdout
-    assert status(out) == {p: "ok" if p in ("2", "3", "6") else "skipped (needs CUDA)" for p in PARTS}
+    assert status(out) == {p: "ok" if p in ("2", "3") else "skipped (needs CUDA)" for p in PARTS}
     # part 1's tests were found in tests/ (a skipif on CUDA, or a CUDA branch), and are named, not the suite
     assert "tests/test_engine.py::test_cuda_graph_replays_give_the_eager_tokens" in r.stdout
     assert "tests/test_model.py::test_cuda_attention_never_falls_back_to_the_math_kernel" in r.stdout
@@ -48,7 +48,7 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
 def test_dry_run_writes_its_files_and_summary(dry):
     _, out = dry
     for name in ("summary.md", "status.tsv", "0_env.log", "2_parity.log", "2_parity.json", "2_parity.md",
-                 "3_memory.log", "3_memory.json", "3_memory.md", "6_fp8.log", "6_fp8.json", "6_fp8.md"):
+                 "3_memory.log", "3_memory.json", "3_memory.md"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     summary = (out / "summary.md").read_text()
     for part in PARTS:
@@ -56,7 +56,6 @@ def test_dry_run_writes_its_files_and_summary(dry):
     assert "| 5 | tiny run | skipped (needs CUDA)" in summary
     assert "| generator prefill | needs CUDA |" in summary  # the memory table, plan side only
     assert "All paths within tolerance: yes." in summary  # the parity table
-    assert "| gate_up | 3424 x 512 |" in summary and "fp8 GEMM on CUDA: not run" in summary  # part 6, CPU side
     assert not (out / "5_tiny").exists()
 
 
@@ -118,3 +117,13 @@ def test_memory_plan_side(dry, tmp_path):
         dense = sum(p.numel() for p in GLM(gpu_memory.architecture(2, False)).parameters())
     assert dsa_res["params"] > dense  # the indexer's parameters
     assert "(DSA FSSS)" in dsa_res["settings"] and dsa_res["phases"][0]["peak"] is None
+
+
+def test_fp8_bench_errors_on_a_small_shape():
+    """bench/fp8.py's table (1) on one ragged shape: e4m3 with 3 mantissa bits rounds a normal weight to ~2.7% (relative
+    Frobenius), and the w8a8 matmul, with its activations rounded too, lands between that and twice it; bf16 is ~10x
+    closer. (The 9B shapes' table is in docs/benchmarks.md.)"""
+    from bench import fp8 as bench_fp8
+    (r,) = bench_fp8.errors({"down": (200, 300)}, torch.device("cpu"), rows=16, checkpoint=None, log=lambda m: None)
+    assert r["shape"] == [200, 300] and 0.02 < r["w_rel_fro"] < 0.035
+    assert r["w_rel_fro"] * 0.8 < r["w8a8"] < 2 * r["w_rel_fro"] and r["bf16"] < r["w8a8"] / 5
