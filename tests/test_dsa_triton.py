@@ -178,7 +178,9 @@ def wrong_gqa(k):
 # ----------------------------------------------------------------------------------------------- forward
 
 
-@pytest.mark.parametrize("B,H,Hkv", [(1, 2, 2), (2, 4, 2), (1, 8, 2)])
+# (B = 2 runs forward in test_backward_fp32_matches_autograd, whose gradients check its output; the interpreter is
+# slow, and the suite must stay under 10 minutes on 2 cores)
+@pytest.mark.parametrize("B,H,Hkv", [(1, 2, 2), (1, 8, 2)])
 def test_forward_fp32_values_lse_probs(B, H, Hkv):
     q, k, v, idx, valid = make_inputs(B=B, H=H, Hkv=Hkv, seed=H)
     scale = 16 ** -0.5
@@ -265,10 +267,12 @@ def test_packed_rows_two_documents():
 # ----------------------------------------------------------------------------------------------- backward
 
 
-@pytest.mark.parametrize("B,H,Hkv,chunk_rows", [(1, 2, 2, None), (2, 4, 2, 5), (2, 8, 2, 3), (1, 4, 1, None)])
+# (2, 8, 2, 3): several backward chunks, one spanning the two batch rows (a second such case, (2, 4, 2, 5), cost
+# 20-25 s under the interpreter for little more)
+@pytest.mark.parametrize("B,H,Hkv,chunk_rows", [(1, 2, 2, None), (2, 8, 2, 3), (1, 4, 1, None)])
 def test_backward_fp32_matches_autograd(monkeypatch, B, H, Hkv, chunk_rows):
     q, k, v, idx, valid = make_inputs(B=B, H=H, Hkv=Hkv, seed=11 + H)
-    if chunk_rows:  # several backward chunks, one spanning the two batch rows (rows 20..24 or 21..23)
+    if chunk_rows:  # several backward chunks, one spanning the two batch rows (rows 21..23)
         monkeypatch.setattr(dsa_triton, "BWD_BUFFER_BYTES", chunk_rows * idx.shape[-1] * Hkv * 16 * 8)
     scale = 16 ** -0.5
     q, k, v = (x.requires_grad_() for x in (q, k, v))
