@@ -19,7 +19,6 @@ have none of a trained checkpoint's outlier channels, which are what block-wise 
 import argparse
 import os
 import sys
-import time
 
 import torch
 
@@ -61,9 +60,7 @@ def measure(learner, dtype, quantization, prompts, args):
     if quantization == "fp8":
         fp8.quantize_model_(gen)
     engine = TorchEngine(gen, max_batch=len(prompts))
-    t0 = time.perf_counter()
     engine.update_weights(parallel.full_weights(learner, dtype, quantization), 0)
-    publish_s = time.perf_counter() - t0
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new)
     outs = engine.generate(prompts, sampling, seed=args.seed)
     rows = [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs)]
@@ -74,7 +71,7 @@ def measure(learner, dtype, quantization, prompts, args):
     return {"tokens": len(gen_logp), "mismatch_k3": float(grpo.kl_penalty(gen_logp, logp, "k3").mean()),
             "logp_diff_mean": float((logp - gen_logp).abs().mean()), "logp_diff_max": float((logp - gen_logp).abs().max()),
             "outside_icepop": float(((w < 0.5) | (w > 2.0)).float().mean()), "above_tis_c2": float((w > 2.0).float().mean()),
-            "publish_s": publish_s, "weight_bytes": sum(t.numel() * t.element_size() for t in gen.parameters())}
+            "weight_bytes": sum(t.numel() * t.element_size() for t in gen.parameters())}
 
 
 def markdown(result):
