@@ -16,6 +16,7 @@ produced each completion's tokens (the rollout chapter judges staleness from tha
 """
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -69,6 +70,13 @@ def _mix32(x):
 def sample_keys(seeds, steps):
     """One 32-bit noise key per row: its request's seed and how many tokens it has sampled (int64 [B])."""
     return _mix32(seeds ^ _mix32(steps & _M32))
+
+
+def request_seeds(seed: int | None, n: int) -> list[int]:
+    """The noise seeds (32 bits) of a call's n requests: one base from the call's seed (None: fresh, from
+    torch's RNG), hashed with each request's index, in one op (not one each)."""
+    base = random.Random(seed).getrandbits(32) if seed is not None else int(torch.randint(0, 2**32, ()))
+    return (base ^ _mix32(torch.arange(n))).tolist()
 
 
 @functools.lru_cache(maxsize=8)
@@ -136,6 +144,9 @@ PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most (a longer cont
 # every waiting request fits): a prefill costs a forward whatever its size, so rows that free up one at a
 # time are refilled in batches, not by one small prefill each.
 ADMIT_FRACTION = 1 / 8
+# Key slots one extending forward gathers at most (rows x the longest key list): a long turn over a long
+# context runs as several forwards, one after another, so that gathered keys stay bounded.
+EXTEND_KEYS = 2**22
 
 
 @dataclass
@@ -149,6 +160,8 @@ class _Request:
     versions: list | None = None  # [oldest, newest] weight version
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
     finish: str | None = None
+    key: object = None  # a session's trajectory: its KV is parked, not freed, when the turn ends
+    cached: int = 0  # leading positions of its context whose KV its blocks already hold (a parked prefix)
 
     def completion(self):
         return Completion(self.tokens, self.logprobs, self.finish, tuple(self.versions))
@@ -197,7 +210,7 @@ class TorchEngine:
         self.dtype = next(model.parameters()).dtype
         self.pool = None  # the PagedKVCache, made by the first call that needs it
         self.stats = {"iterations": 0, "prefills": 0, "prefill_tokens": 0, "retracted": 0,  # for tests and benchmarks
-                      "graph_steps": 0}
+                      "graph_steps": 0, "parked": 0, "evicted": 0, "extends": 0, "extend_tokens": 0}
 
     # ------------------------------------------------------------------------- calls
 
@@ -214,22 +227,68 @@ class TorchEngine:
         per = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(per) != len(prompts):
             raise ValueError(f"{len(per)} SamplingParams for {len(prompts)} prompts")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("cannot generate from an empty prompt")
         if len({(s.temperature, s.top_p, tuple(s.stop_token_ids)) for s in per}) > 1:
             raise ValueError("one call's SamplingParams may differ in max_new_tokens only")
-        rng = random.Random(seed)  # seed None: fresh noise per call, from torch's RNG
-        base = rng.getrandbits(32) if seed is not None else int(torch.randint(0, 2**32, ()))
-        salts = _mix32(torch.arange(len(prompts))).tolist()  # one hash per request, in one op (not one each)
-        reqs = [_Request(i, list(p), s.max_new_tokens, base ^ salt)
-                for i, (p, s, salt) in enumerate(zip(prompts, per, salts))]
+        seeds = request_seeds(seed, len(prompts))
+        longest = max((len(p) + s.max_new_tokens for p, s in zip(prompts, per)), default=1)
+        width = max((s.max_new_tokens for s in per), default=1)
+        with self.session(per[0] if per else SamplingParams(), longest, width) as call:
+            for p, s, sd in zip(prompts, per, seeds):
+                call.submit(p, s.max_new_tokens, sd)
+            while call.busy:
+                yield from call.step()
+
+    # ------------------------------------------------------------------------- sessions (agents)
+
+    @contextlib.contextmanager
+    def session(self, sampling: SamplingParams, longest: int, width: int | None = None):
+        """A running call that takes requests while it runs, for agents: the engine keeps decoding while
+        some trajectories wait on their tools. Yields the engine, whose submit/step/end/busy are the
+        session's; one thread drives it. longest: the most tokens a request's context and completion may
+        reach; width: the most tokens one request samples (default sampling.max_new_tokens).
+
+            with engine.session(sampling, longest) as call:
+                call.submit(ids, max_new, seed, key=trajectory)  # a turn: the trajectory's whole context
+                for index, completion in call.step(): ...       # one iteration: the turns that ended in it
+                call.end(trajectory)                            # its episode is over: its parked KV is freed
+
+        A request with a key parks when its turn ends: its KV blocks stay, its decode row frees up. The
+        key's next turn (a context that extends the parked tokens) prefills only the new tokens
+        (_extend). Parked KV is evicted, oldest first, before any running row is retracted when the pool
+        runs short; an evicted trajectory's next turn prefills its whole context again."""
         with self.call_lock:
-            self._open(reqs, per[0] if per else SamplingParams())
+            self._open(sampling, longest, width or sampling.max_new_tokens)
             try:
-                while self.waiting or self.reqs or self.landing or self.finished:
-                    yield from self._iteration()
+                yield self
             finally:
                 self._close()
+
+    def submit(self, prompt: list[int], max_new: int, seed: int, key=None) -> int:
+        """Queue a request (in a session); returns its index, which step() yields with its Completion. seed:
+        32 bits (its noise); key: the trajectory it continues, or None (its KV is freed when it ends)."""
+        if len(prompt) == 0:
+            raise ValueError("cannot generate from an empty prompt")
+        if len(prompt) + max_new > self.longest or max_new > self.out_tok.shape[1]:
+            raise ValueError(f"a request of {len(prompt)} + {max_new} tokens exceeds the session's {self.longest} "
+                             f"(and {self.out_tok.shape[1]} new)")
+        r = _Request(self.submitted, list(prompt), max_new, seed & _M32, key=key)
+        self.submitted += 1
+        self.waiting.append(r)
+        return r.index
+
+    def step(self) -> list[tuple[int, Completion]]:
+        """One iteration (admit, prefill, decode one token per row): the requests that ended in it."""
+        return list(self._iteration()) if self.busy else []
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.reqs or self.landing or self.finished)
+
+    def end(self, key):
+        """The trajectory is over: its parked KV goes back to the pool."""
+        p = self.parked.pop(key, None)
+        if p is not None:
+            self.pool.free += reversed(p[1])
 
     @torch.no_grad()
     def update_weights(self, named_tensors, version: int):
@@ -256,10 +315,11 @@ class TorchEngine:
 
     # ------------------------------------------------------------------------- a call's state
 
-    def _open(self, reqs, sampling):
-        self.sampling, self.waiting, self.landing, self.finished = sampling, collections.deque(reqs), [], []
+    def _open(self, sampling, longest, width):
+        self.sampling, self.waiting, self.landing, self.finished = sampling, collections.deque(), [], []
         self.kv_version = self.version  # the weights the running rows' KV was computed with (reprefill)
-        longest = max((len(r.prompt) + r.max_new for r in reqs), default=1)
+        self.longest, self.submitted = longest, 0
+        self.parked = collections.OrderedDict()  # key -> (ids whose KV its blocks hold, blocks), oldest first
         blocks = -(-longest // BLOCK_SIZE)
         need = self.max_batch * blocks if self.kv_tokens is None else -(-self.kv_tokens // BLOCK_SIZE)
         if self.kv_tokens is not None and blocks > need:
@@ -271,7 +331,7 @@ class TorchEngine:
             self.graphs = None
             self.graphs = DecodeGraphs(self.model, self.pool, self.max_batch, longest, capture=self.device.type == "cuda")
         self.pool.free = list(range(self.pool.num_blocks - 1, -1, -1))
-        dev, B, W = self.device, self.max_batch, max((r.max_new for r in reqs), default=1)
+        dev, B, W = self.device, self.max_batch, max(1, width)
         # Token buffers: row b of the batch writes its j-th token since admission at out_*[buf[b], j].
         self.out_tok = torch.zeros(B, W, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(B, W, dtype=torch.float32, device=dev)
@@ -289,6 +349,7 @@ class TorchEngine:
 
     def _close(self):
         self.waiting, self.reqs, self.landing, self.finished = collections.deque(), [], [], []
+        self.parked = collections.OrderedDict()
         self.out_tok = self.out_lp = self.table = None
 
     _ROW_STATE = ("last", "pos", "ngen", "left", "seeds", "base", "buf", "status", "table")
@@ -311,8 +372,9 @@ class TorchEngine:
         batch = []
         for j, b in enumerate(rows):
             r = self.reqs[b]
-            self.pool.free += reversed(r.blocks)
-            r.blocks = []
+            if r.key is None or finish != "done":  # a session's finished turn keeps its blocks (parked at _land)
+                self.pool.free += reversed(r.blocks)
+                r.blocks = []
             self.free_bufs.append(int(host[2][b]))
             batch.append((r, int(host[1][b])))
             r.versions[1] = max(r.versions[1], self.step_version)
@@ -335,6 +397,11 @@ class TorchEngine:
                     r.finish = finish if finish != "done" else ("stop" if r.tokens[-1:] and r.tokens[-1] in
                                                                  self.sampling.stop_token_ids else "length")
                     self.finished.append(r)
+                    if r.blocks:  # parked: its KV holds every position but the last sampled token's (never fed)
+                        self.end(r.key)
+                        self.parked[r.key] = (r.prompt + r.tokens[:-1], r.blocks)
+                        self.stats["parked"] += 1
+                        r.blocks = []
         self.waiting.extendleft(reversed(keep))
         self.landing = []
 
@@ -365,8 +432,10 @@ class TorchEngine:
 
     def _step(self):
         self.step_version = self.version
-        if self.reprefill and self.reqs and self.kv_version != self.version:
-            self._retract(len(self.reqs))  # prefilled again below, under the new weights
+        if self.reprefill and self.kv_version != self.version:
+            if self.reqs:
+                self._retract(len(self.reqs))  # prefilled again below, under the new weights
+            self._evict(len(self.parked))  # and no turn extends KV of the old weights
             self.kv_version = self.version
         self._grow()
         new = self._admit()
@@ -389,9 +458,19 @@ class TorchEngine:
         self._release(list(range(len(self.reqs) - n, len(self.reqs))), None, self._read())
         self._land(wait=True)  # they are back in the queue now
 
+    def _evict(self, n: int, keep=None):
+        """Drop the KV of the n longest-parked trajectories (but `keep`'s): their next turns prefill their
+        whole context."""
+        for victim in [k for k in self.parked if k != keep][:n]:
+            self.end(victim)
+            self.stats["evicted"] += 1
+
     def _grow(self):
-        """A block for every running row whose next token starts one; retract the newest rows if short."""
+        """A block for every running row whose next token starts one; evict parked KV, then retract the
+        newest rows, if short."""
         need = np.flatnonzero(self.host_pos % BLOCK_SIZE == 0).tolist()
+        while len(need) > len(self.pool.free) and self.parked:
+            self._evict(1)
         while len(need) > len(self.pool.free):
             self._retract(1)
             need = [b for b in need if b < len(self.reqs)]
@@ -405,7 +484,8 @@ class TorchEngine:
     def _admit(self):
         """Waiting requests that fit now, oldest first: a free row, blocks for their context and first
         decoded token plus one spare block per running row (to grow into), and the prefill budget (a
-        context already admitted in this round costs nothing: _prefill runs it once). While rows are
+        context already admitted in this round costs nothing: _prefill runs it once; a parked trajectory's
+        turn costs its new tokens). Parked KV is evicted, oldest first, to make room. While rows are
         decoding, nobody is admitted until ADMIT_FRACTION of the rows (or all that wait) can be."""
         free_rows = self.max_batch - len(self.reqs)
         if self.reqs and free_rows < min(len(self.waiting), max(1, int(self.max_batch * ADMIT_FRACTION))):
@@ -413,23 +493,58 @@ class TorchEngine:
         new, tokens, seen = [], 0, set()
         while self.waiting and len(self.reqs) + len(new) < self.max_batch:
             r = self.waiting[0]
-            ctx = tuple(r.prompt + r.tokens)
-            cost = 0 if ctx in seen else len(ctx)
-            blocks = len(ctx) // BLOCK_SIZE + 1
-            if new and tokens + cost > PREFILL_TOKENS or blocks + len(self.reqs) + len(new) > len(self.pool.free) and (new or self.reqs):
+            ctx = r.prompt + r.tokens
+            ids, held = self.parked.get(r.key, ((), []))
+            if not (len(ids) < len(ctx) and ctx[:len(ids)] == ids):  # its context does not extend the parked KV
+                ids, held = (), []
+            cost = 0 if not ids and tuple(ctx) in seen else len(ctx) - len(ids)
+            blocks = len(ctx) // BLOCK_SIZE + 1 - len(held)
+            if new and tokens + cost > PREFILL_TOKENS:
+                break
+            while blocks + len(self.reqs) + len(new) > len(self.pool.free) and any(k != r.key for k in self.parked):
+                self._evict(1, keep=r.key)
+            if blocks + len(self.reqs) + len(new) > len(self.pool.free) and (new or self.reqs):
                 break
             self.waiting.popleft()
-            r.blocks = [self.pool.free.pop() for _ in range(blocks)]
+            if r.key in self.parked:  # taken over (extended), or dropped (its context went another way)
+                if held:
+                    del self.parked[r.key]
+                else:
+                    self.end(r.key)
+            r.cached = len(ids)
+            r.blocks = held + [self.pool.free.pop() for _ in range(blocks)]
             r.versions = r.versions or [self.version, self.version]
             new.append(r)
             tokens += cost
-            seen.add(ctx)
+            if not ids:
+                seen.add(tuple(ctx))
         return new
 
     def _prefill(self, new):
-        """Prefill the admitted requests as one packed row, sample their first token, add their rows. Each
-        distinct context runs once (a prompt's n samples share it); the pool gets its keys once per request."""
+        """Prefill the admitted requests, sample their first token, add their rows: fresh contexts as one
+        packed row (_pack), turns that extend parked KV by their new tokens only (_extend)."""
         self.stats["prefills"] += 1
+        fresh, ext = [r for r in new if not r.cached], [r for r in new if r.cached]
+        new = fresh + ext
+        logits = torch.cat(([self._pack(fresh)] if fresh else []) + ([self._extend(ext)] if ext else []))
+        dev, n, ctxs = self.device, len(new), [r.prompt + r.tokens for r in new]
+        seeds, base, left, buf = to_device([[r.seed for r in new], [len(r.tokens) for r in new],
+                                            [r.max_new - len(r.tokens) for r in new],
+                                            [self.free_bufs.pop() for _ in new]], dev, torch.long)
+        tok, lp = sample_tokens(logits, self.sampling, sample_keys(seeds, base))
+        self.out_tok[buf, 0], self.out_lp[buf, 0] = tok, lp
+        table = torch.tensor([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in new], dtype=torch.long)
+        ones = torch.ones(n, dtype=torch.long, device=dev)
+        state = dict(last=tok, pos=to_device([len(c) for c in ctxs], dev, torch.long), ngen=ones, left=left,
+                     seeds=seeds, base=base, buf=buf, status=self._status(tok, lp, ones, left), table=to_device(table, dev))
+        for name in self._ROW_STATE:
+            setattr(self, name, torch.cat((getattr(self, name), state[name])))
+        self.host_pos = np.concatenate((self.host_pos, [len(c) for c in ctxs]))
+        self.reqs += new
+
+    def _pack(self, new):
+        """Fresh contexts as one packed row -> logits [len(new), V] of each one's last token. Each distinct
+        context runs once (a prompt's n samples share it); the pool gets its keys once per request."""
         ctxs = [r.prompt + r.tokens for r in new]
         first, uniq, copy, seen = {}, [], [], collections.Counter()
         for c in ctxs:
@@ -468,20 +583,37 @@ class TorchEngine:
                 self.step_version = self.version
         finally:  # the next forward must not see this one's groups or copies
             self.pool.copies, self.pool.packed = [], None
-        n = len(new)
-        seeds, base, left, buf = to_device([[r.seed for r in new], [len(r.tokens) for r in new],
-                                            [r.max_new - len(r.tokens) for r in new],
-                                            [self.free_bufs.pop() for _ in new]], dev, torch.long)
-        tok, lp = sample_tokens(logits, self.sampling, sample_keys(seeds, base))
-        self.out_tok[buf, 0], self.out_lp[buf, 0] = tok, lp
-        table = torch.tensor([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in new], dtype=torch.long)
-        ones = torch.ones(n, dtype=torch.long, device=dev)
-        state = dict(last=tok, pos=to_device([len(c) for c in ctxs], dev, torch.long), ngen=ones, left=left,
-                     seeds=seeds, base=base, buf=buf, status=self._status(tok, lp, ones, left), table=to_device(table, dev))
-        for name in self._ROW_STATE:
-            setattr(self, name, torch.cat((getattr(self, name), state[name])))
-        self.host_pos = np.concatenate((self.host_pos, [len(c) for c in ctxs]))
-        self.reqs += new
+        return logits
+
+    def _extend(self, reqs):
+        """Turns that extend their trajectory's parked KV (a tool's answer after the model's call): only the
+        new tokens run, as the rows of paged forwards, one row per new token whose keys are its context's
+        slots up to itself, as in a decode step (Attention.paged_decode writes every row's keys before any row
+        reads). DSA's indexer keys extend the same way, and each row's top-k is chosen among its own prefix in
+        position order, as the learner's forward chooses. -> logits [len(reqs), V] of each context's last
+        token. At most EXTEND_KEYS key slots per forward (rows x the longest key list)."""
+        dev, L = self.device, max(len(r.prompt) + len(r.tokens) for r in reqs)
+        tok = [t for r in reqs for t in (r.prompt + r.tokens)[r.cached:]]
+        pos = [p for r in reqs for p in range(r.cached, len(r.prompt) + len(r.tokens))]
+        owner = [i for i, r in enumerate(reqs) for _ in range(len(r.prompt) + len(r.tokens) - r.cached)]
+        last = np.cumsum([len(r.prompt) + len(r.tokens) - r.cached for r in reqs]) - 1  # each request's last row
+        tables = to_device([r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in reqs], dev, torch.long)
+        tok, pos, owner = (to_device(x, dev, torch.long) for x in (tok, pos, owner))
+        self.stats["extends"] += 1
+        self.stats["extend_tokens"] += len(tok)
+        self.stats["prefill_tokens"] += len(tok)
+        hidden, step = [], max(1, EXTEND_KEYS // L)
+        for a in range(0, len(tok), step):
+            p = torch.arange(L, device=dev)[None] - (L - 1) + pos[a:a + step, None]  # [R, L]: key positions, left-padded
+            valid = p >= 0
+            p = p.clamp_min(0)
+            keys = tables[owner[a:a + step]].gather(1, p // BLOCK_SIZE) * BLOCK_SIZE + p % BLOCK_SIZE
+            with self.lock:
+                hidden.append(decode_forward(self.model, self.pool, tok[a:a + step, None], pos[a:a + step, None], keys,
+                                             valid, hidden=True))
+                self.step_version = self.version
+        with self.lock:
+            return self.model.lm_head(torch.cat(hidden)[to_device(last, dev, torch.long)])
 
     def _status(self, tok, lp, ngen, left):
         done = (ngen >= left) | (torch.isin(tok, self.stop) if len(self.stop) else False)
@@ -515,12 +647,13 @@ class TorchEngine:
         self.host_pos = self.host_pos + 1
 
 
-def decode_forward(model, pool: PagedKVCache, tokens, pos, keys, valid):
+def decode_forward(model, pool: PagedKVCache, tokens, pos, keys, valid, hidden=False):
     """One decode forward over the paged pool: tokens, pos [B, 1]; keys, valid [B, Lk] (each row's slots in
-    position order, its new token's last: Attention.paged_decode) -> logits [B, V]."""
+    position order, its new token's last: Attention.paged_decode) -> logits [B, V] (hidden: the final
+    hidden states [B, hidden], before lm_head)."""
     pool.keys, pool.key_valid, pool.slots = keys, valid, keys[:, -1]
     try:
-        return model(tokens, position_ids=pos, cache=pool)[:, -1]
+        return model(tokens, position_ids=pos, cache=pool, return_hidden=hidden)[:, -1]
     finally:  # the next forward (a prefill) must not see them
         pool.keys = None
 
