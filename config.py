@@ -67,9 +67,12 @@ class DataConfig:
     # data.reward or with data.env), which load_reward binds it to
     answer_line: bool = False
     reward: str = "data:math_reward"  # module:function called as fn(response_text, example) -> float
-    # module:Class of a multi-turn environment (env.py's contract, e.g. env:Calculator); its reward replaces
-    # data.reward. null: one turn graded by data.reward
+    # module:Class of a multi-turn environment (env.py's contract, e.g. env:Calculator, tools:PythonMath); its reward
+    # replaces data.reward. null: one turn graded by data.reward
     env: str | None = None
+    # Keyword arguments of the env class's setup() (env.py's contract; called once per process before the model
+    # loads: tools:PythonMath takes its sandbox's workers, timeout_s, memory_mb, max_procs, max_output_chars)
+    env_args: dict = field(default_factory=dict)
     train_size: int | None = None  # use the first this many train examples; null: all
     eval_size: int | None = None  # ... and of each eval set
 
@@ -93,6 +96,12 @@ class RolloutConfig:
     max_total_tokens: int | None = None  # tokens after the prompt, model and env (null: one turn's max_new_tokens)
     max_env_chars: int = 4096  # each env message's content is cut to this many characters before rendering
     env_timeout_s: float = 60.0  # a call into the env (or the reward hook) that takes longer fails its trajectory
+    # When an env's answer becomes the trajectory's next turn, in engine iterations after its turn ended (env.py's
+    # episode loop; the engine decodes the other trajectories meanwhile). A number makes runs reproducible and
+    # resume exact (the loop waits for an answer that is late: set it above the tool's time / one decode step's);
+    # null admits each answer as soon as it arrives (fastest with slow or uneven tools, but timing then decides
+    # which rows decode together: same-seed runs differ)
+    env_admit_after: int | None = 0
     # A failed trajectory is dropped (its group trains at its reduced size while more than half remains); more than
     # this fraction of a batch failing stops the run with one line
     max_failure_fraction: float = 0.5
@@ -376,6 +385,7 @@ RULES = [  # (keys, test, what each must be)
     (("rollout.max_turns", "rollout.max_env_chars"), lambda x: x >= 1, ">= 1"),
     (("rollout.max_total_tokens",), lambda x: x is None or x >= 1, ">= 1 (or null: max_new_tokens)"),
     (("rollout.env_timeout_s",), _positive, "a finite number > 0"),
+    (("rollout.env_admit_after",), lambda x: x is None or x >= 0, ">= 0 (or null: as soon as it arrives)"),
     (("rollout.max_failure_fraction", "rollout.dump_fraction"), lambda x: 0 <= x <= 1, "in [0, 1]"),
     (("optim.betas",), lambda b: len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b),
      "[beta1, beta2], each in [0, 1)"),
@@ -426,6 +436,7 @@ def check_config(cfg: Config, where):
          "data.answer_line is read by the built-in grader only (data.reward: data:math_reward, no data.env), but "
          + (f"data.env is {cfg.data.env!r}: the env grades" if cfg.data.env else f"data.reward is {cfg.data.reward!r}")
          + ", so it would be ignored")
+    need(not cfg.data.env_args or cfg.data.env, "data.env_args are for data.env's setup(), but data.env is not set")
     need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
          f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
     need(cfg.grpo.surrogate != "dis" or (cfg.grpo.icepop_beta is None and cfg.grpo.tis_cap is None),
@@ -529,7 +540,8 @@ def plan_memory(cfg: Config, processes, shared=False):
     """The per-GPU memory plan of this config with `processes` generator/learner pairs in all (shared: on one GPU)."""
     r, g, t = cfg.rollout, cfg.grpo, cfg.train
     return memory_plan(architecture(cfg), learner_gpus=processes, parallel=t.parallel,
-                       micro_batch_tokens=cfg.optim.max_tokens_per_micro_batch,
+                       # a sequence longer than the micro-batch budget is a micro-batch of its own (data.pack_by_tokens)
+                       micro_batch_tokens=max(cfg.optim.max_tokens_per_micro_batch, r.max_prompt_tokens + response_budget(cfg, False)),
                        gradient_checkpointing=cfg.model.gradient_checkpointing,
                        trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,

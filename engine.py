@@ -144,9 +144,6 @@ PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most (a longer cont
 # every waiting request fits): a prefill costs a forward whatever its size, so rows that free up one at a
 # time are refilled in batches, not by one small prefill each.
 ADMIT_FRACTION = 1 / 8
-# Key slots one extending forward gathers at most (rows x the longest key list): a long turn over a long
-# context runs as several forwards, one after another, so that gathered keys stay bounded.
-EXTEND_KEYS = 2**22
 
 
 @dataclass
@@ -591,7 +588,7 @@ class TorchEngine:
         slots up to itself, as in a decode step (Attention.paged_decode writes every row's keys before any row
         reads). DSA's indexer keys extend the same way, and each row's top-k is chosen among its own prefix in
         position order, as the learner's forward chooses. -> logits [len(reqs), V] of each context's last
-        token. At most EXTEND_KEYS key slots per forward (rows x the longest key list)."""
+        token. At most max_batch rows per forward: none is larger than a decode step (the memory plan's)."""
         dev, L = self.device, max(len(r.prompt) + len(r.tokens) for r in reqs)
         tok = [t for r in reqs for t in (r.prompt + r.tokens)[r.cached:]]
         pos = [p for r in reqs for p in range(r.cached, len(r.prompt) + len(r.tokens))]
@@ -602,7 +599,7 @@ class TorchEngine:
         self.stats["extends"] += 1
         self.stats["extend_tokens"] += len(tok)
         self.stats["prefill_tokens"] += len(tok)
-        hidden, step = [], max(1, EXTEND_KEYS // L)
+        hidden, step = [], self.max_batch
         for a in range(0, len(tok), step):
             p = torch.arange(L, device=dev)[None] - (L - 1) + pos[a:a + step, None]  # [R, L]: key positions, left-padded
             valid = p >= 0

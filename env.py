@@ -16,6 +16,10 @@ The hook (data.env: "module:Class"; the README has an example). One instance per
             # -> (messages to append, reward, done) or (messages, reward, done, info); info (all optional):
             #    {"tool_calls": 1, "void": False, "tool_io": [...]}
         def close(self): ...                    # optional; called for every episode, finished, cut or cancelled
+        @classmethod
+        def setup(cls, **env_args): ...         # optional; once per process, before the model loads (data.env_args)
+        @classmethod
+        def teardown(cls): ...                  # optional; at exit (a sandbox's workers end)
 
 The reward is the one returned by the step that ends the trajectory. Single-turn RL is the special case
 of an env that is done after one turn: without data.env, SingleTurn wraps the reward hook (data.reward).
@@ -46,6 +50,7 @@ trajectory (Limits, Episode, the guarded calls, start, model and env turns, clos
 (run_episodes), supervised traces (traces), the demo's env (Calculator) and the rollout dump's record.
 """
 import ast
+import atexit
 import contextlib
 import json
 import operator
@@ -56,7 +61,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from data import chat_ids, load_object, math_reward, render_prompt
-from engine import SamplingParams
+from engine import SamplingParams, request_seeds
 
 # The chat format's tokens that end a model turn besides eos (GLM-4's generation_config lists both among
 # its eos ids): the model hands control to a tool, or to the user.
@@ -69,13 +74,24 @@ TURN_SEED = 1_000_000_007  # turn t of a batch samples with seed + t * TURN_SEED
 # ----------------------------------------------------------------------------- the hook
 
 
-def load_env(spec):
-    """The env class named by data.env ("module:Class"), checked against the contract (one line if not)."""
+def load_env(spec, env_args=None):
+    """The env class named by data.env ("module:Class"), checked against the contract (one line if not), and
+    set up: its setup(**env_args) runs now, once per process, before any model loads (a sandbox's workers
+    start small), and its teardown() at exit."""
     cls = load_object(spec, "data.env")
     missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
     if not isinstance(cls, type) or missing:
         raise ValueError(f"data.env: {spec!r} must be a class with reset() and step(text) methods"
                          + (f" (it has no {' or '.join(missing)})" if missing and isinstance(cls, type) else ""))
+    if callable(getattr(cls, "setup", None)):
+        try:
+            cls.setup(**(env_args or {}))
+        except TypeError as e:
+            raise ValueError(f"data.env_args: {e}") from None
+        if callable(getattr(cls, "teardown", None)):
+            atexit.register(cls.teardown)
+    elif env_args:
+        raise ValueError(f"data.env_args: {spec} has no setup() to take them")
     return cls
 
 
@@ -145,12 +161,13 @@ class Limits:
     max_env_chars: int = 4096  # each env message's content is cut to this many characters
     timeout_s: float = 60.0  # each call into the env (or the reward hook)
     max_prompt_tokens: int | None = None  # a longer opening fails its episode (it would be cut mid-question)
+    admit_after: int | None = 0  # engine iterations until an env answer is admitted (None: when it arrives)
 
 
 def limits_of(rollout, per_turn) -> Limits:
     """The episodes' limits from the config's rollout section; per_turn: max_new_tokens (eval: eval_max_new_tokens)."""
     return Limits(per_turn, rollout.max_total_tokens or per_turn, rollout.max_turns, rollout.max_env_chars,
-                  rollout.env_timeout_s, rollout.max_prompt_tokens)
+                  rollout.env_timeout_s, rollout.max_prompt_tokens, rollout.env_admit_after)
 
 
 @dataclass
@@ -190,6 +207,7 @@ class _Task:
         except BaseException as e:  # noqa: BLE001 (the env's own bug is data here)
             self.result = (False, e, time.perf_counter() - self.started)
         self.done.set()
+        ANSWERED.set()
 
 
 class _Pool:
@@ -223,6 +241,7 @@ class _Pool:
 
 
 POOL = _Pool(64)
+ANSWERED = threading.Event()  # set whenever a call on POOL returns: the episode loop waits on it when idle
 
 
 def guarded(calls, timeout):
@@ -230,20 +249,23 @@ def guarded(calls, timeout):
     others'), each with a deadline from its start. Returns [(True, result) or (False, None)], a call that
     raised, or missed its deadline, marking its episode failed."""
     tasks = [POOL.submit(fn, args) for _, _, fn, args in calls]
-    out = []
-    for (ep, what, _, _), task in zip(calls, tasks):
-        while not task.done.wait(0.05 if task.started is None else max(0.0, task.started + timeout - time.perf_counter())):
-            if task.started is not None and time.perf_counter() >= task.started + timeout:  # (0.05: not started yet)
-                POOL.write_off(task)
-                break
-        if not task.done.is_set():
+    return [outcome(ep, what, task, timeout) for (ep, what, _, _), task in zip(calls, tasks)]
+
+
+def outcome(ep, what, task, timeout, wait=True):
+    """A call's outcome, once it has one: (True, result), or (False, None) if it raised or missed its deadline
+    (its episode is marked failed); None if it is still running and wait is False."""
+    while not task.done.is_set():
+        if task.started is not None and time.perf_counter() >= task.started + timeout:
+            POOL.write_off(task)
             ep.env_s += timeout
-            out.append(_fail(ep, what, TimeoutError(f"no answer in {timeout:g} s (rollout.env_timeout_s)")))
-            continue
-        ok, value, secs = task.result
-        ep.env_s += secs
-        out.append((True, value) if ok else _fail(ep, what, value))
-    return out
+            return _fail(ep, what, TimeoutError(f"no answer in {timeout:g} s (rollout.env_timeout_s)"))
+        if not wait:
+            return None
+        task.done.wait(0.05 if task.started is None else max(0.0, task.started + timeout - time.perf_counter()))
+    ok, value, secs = task.result
+    ep.env_s += secs
+    return (True, value) if ok else _fail(ep, what, value)
 
 
 def _fail(ep, what, e):
@@ -367,42 +389,125 @@ def run_episodes(engine, episodes, env_cls, tokenizer, sampling: SamplingParams,
                  chat_template=True, stopping=lambda: False, each=False):
     """Play the episodes to their end and yield (index, episode) as each one ends (finished, cut, void
     or failed); closing this generator early cancels the rest (their envs are closed, finish
-    "cancelled"). Turn by turn: every live episode's next model turn goes into one engine call (the
-    history prefilled again: the engine does not keep it between calls), then the env answers all of
-    them at once, or (each=True: dynamic sampling wants to stop as soon as it has enough) each one as it
-    arrives. Turn t's call uses seed + t * TURN_SEED (aborted completions are generated again with
-    seed + 7, as before). sampling: the turn's SamplingParams (its stop ids, the chat format's turn ends
-    included)."""
+    "cancelled"). sampling: a turn's SamplingParams (its stop ids, the chat format's turn ends included).
+
+    On an engine with sessions (engine.session: TorchEngine, SGLangEngine) every trajectory lives in one
+    running call (_play): a turn that ends goes to its env on POOL's threads while the engine decodes the
+    others, and the env's answer comes back as the trajectory's next turn, which extends its parked KV.
+    limits.admit_after: when an answer is admitted, in engine iterations after its turn ended
+    (rollout.env_admit_after): a number makes runs reproducible (the loop waits for a later answer), None admits
+    each answer as soon as it is there (timing then decides which rows run together). On an engine without sessions, turns run in
+    lockstep (_lockstep; each=True: the env answers each turn as it arrives)."""
     name = env_cls.__name__
     try:
         start(episodes, env_cls, tokenizer, limits, chat_template)
         for i, ep in enumerate(episodes):
             if ep.finish is not None:
                 yield i, ep
-        live, turn = [i for i, ep in enumerate(episodes) if ep.finish is None], 0
-        while live and not stopping():
-            per = [replace(sampling, max_new_tokens=min(limits.max_new_tokens,
-                                                        limits.max_total_tokens - len(episodes[i].response)))
-                   for i in live]
-            calls = _generate(engine, [episodes[i].prompt + episodes[i].response for i in live], per,
-                              seed + turn * TURN_SEED, stopping)
-            with contextlib.closing(calls):  # closed early: the engine's call is cancelled at once
-                for part in ((c,) for c in calls) if each else (list(calls),):
-                    if stopping():  # the batch is being thrown away: no more env calls for it
-                        break
-                    for j, c in part:
-                        model_turn(episodes[live[j]], c.token_ids, c.logprobs, c.versions)
-                    env_turns([(episodes[live[j]], tokenizer.decode(c.token_ids, skip_special_tokens=True),
-                                c.finish_reason == "length") for j, c in part], tokenizer, limits, name)
-                    for j, _ in part:
-                        if episodes[live[j]].finish is not None:
-                            yield live[j], episodes[live[j]]
-            live, turn = [i for i in live if episodes[i].finish is None], turn + 1
+        live = [i for i, ep in enumerate(episodes) if ep.finish is None]
+        if live and hasattr(engine, "session"):
+            last = 1 if issubclass(env_cls, SingleTurn) else limits.max_turns  # the turn after which nothing follows
+            yield from _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopping, last)
+        elif live:
+            yield from _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopping, each)
     finally:
         for ep in episodes:
             if ep.finish is None:
                 ep.finish = "cancelled"
         close(episodes, name, limits)
+
+
+def _seeds(seed, n, turn, redo=0):
+    """The noise seeds of turn `turn` of n episodes (redo: an aborted turn generated again)."""
+    return request_seeds(seed + turn * TURN_SEED + 7 * redo, n)
+
+
+def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopping, last_turn):
+    """The episode loop on one engine session. Each pass runs one engine iteration, sends the turns that
+    ended in it to their envs (all at once, on POOL), then admits the env answers that are due (see
+    run_episodes): an episode that ends is yielded and its KV freed, one that goes on is submitted again,
+    its context its whole trajectory (the engine runs only the tokens its parked KV lacks). When the engine
+    has nothing to run it waits for the next answer (or, with admit_after, skips to its iteration). A turn that
+    may be followed by another (before last_turn) parks its KV when it ends; the last one frees it at once."""
+    longest, admit_after = max(len(episodes[i].prompt) for i in live) + limits.max_total_tokens, limits.admit_after
+    owner, pending, it, seeds = {}, [], 0, {}  # request -> (episode, turn, redo); env calls in launch order
+
+    def submit(i, redo=0):
+        ep = episodes[i]
+        t = ep.turns
+        if (t, redo) not in seeds:
+            seeds[t, redo] = _seeds(seed, len(episodes), t, redo)
+        max_new = min(limits.max_new_tokens, limits.max_total_tokens - len(ep.response))
+        key = i if t + 1 < last_turn else None
+        owner[call.submit(ep.prompt + ep.response, max_new, seeds[t, redo][i], key=key)] = (i, redo)
+
+    with engine.session(sampling, longest, limits.max_new_tokens) as call:
+        for i in live:
+            submit(i)
+        try:
+            while (call.busy or pending) and not stopping():
+                done = call.step()
+                it += 1
+                for j, c in done:
+                    i, redo = owner.pop(j)
+                    if c.finish_reason == "abort":  # an update without partial rollouts, or a stop: again
+                        if not stopping():
+                            submit(i, redo + 1)
+                        continue
+                    ep = episodes[i]
+                    model_turn(ep, c.token_ids, c.logprobs, c.versions)
+                    text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                    pending.append((it + (admit_after or 0), i, POOL.submit(ep.env.step, (text,)), c.finish_reason == "length"))
+                if admit_after is not None and pending and not call.busy:
+                    it = max(it, pending[0][0])  # nothing to decode: on to the next answer's iteration
+                ANSWERED.clear()  # (before looking: an answer that comes after the look sets it again)
+                taken = set()
+                for k, (due, i, task, cut) in enumerate(pending):  # launch order: the same order on every run
+                    if admit_after is not None and due > it:
+                        break
+                    out = outcome(episodes[i], f"{name}.step", task, limits.timeout_s, wait=admit_after is not None)
+                    if out is None:
+                        continue
+                    taken.add(k)
+                    if out[0]:
+                        _answer(episodes[i], out[1], cut, tokenizer, limits, name)
+                    if episodes[i].finish is not None:
+                        call.end(i)
+                        yield i, episodes[i]
+                    else:
+                        submit(i)
+                pending = [e for k, e in enumerate(pending) if k not in taken]
+                if pending and not taken and not call.busy:  # idle until an env answers (or a deadline nears)
+                    ANSWERED.wait(0.05)
+        finally:  # cancelled: let the env calls in flight end (or time out) before close() runs beside them
+            for _, i, task, _ in pending:
+                task.done.wait(max(0.0, (task.started or time.perf_counter()) + limits.timeout_s - time.perf_counter()))
+
+
+def _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopping, each):
+    """The episode loop on an engine without sessions, turn by turn: every live episode's next model turn
+    goes into one engine call (the history prefilled again), then the env answers all of them at once, or
+    (each=True: dynamic sampling wants to stop as soon as it has enough) each one as it arrives. Turn t's
+    call uses seed + t * TURN_SEED (aborted completions are generated again with seed + 7)."""
+    turn = 0
+    while live and not stopping():
+        per = [replace(sampling, max_new_tokens=min(limits.max_new_tokens,
+                                                    limits.max_total_tokens - len(episodes[i].response)))
+               for i in live]
+        calls = _generate(engine, [episodes[i].prompt + episodes[i].response for i in live], per,
+                          seed + turn * TURN_SEED, stopping)
+        with contextlib.closing(calls):  # closed early: the engine's call is cancelled at once
+            for part in ((c,) for c in calls) if each else (list(calls),):
+                if stopping():  # the batch is being thrown away: no more env calls for it
+                    break
+                for j, c in part:
+                    model_turn(episodes[live[j]], c.token_ids, c.logprobs, c.versions)
+                env_turns([(episodes[live[j]], tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                            c.finish_reason == "length") for j, c in part], tokenizer, limits, name)
+                for j, _ in part:
+                    if episodes[live[j]].finish is not None:
+                        yield live[j], episodes[live[j]]
+        live, turn = [i for i in live if episodes[i].finish is None], turn + 1
 
 
 def _generate(engine, prompts, per, seed, stopping):

@@ -255,7 +255,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                                    3 * 4 * h)  # or RMSNorm's fp32 temps
                        + 16 * (group_size - 1) + 2 * KD)  # the copies' (slot, source) pairs; one copy's keys
         # A decode step: the forward's bf16 logits [B, V] (with DSA the rows' indexer keys gathered [B, S, d_I] and
-        # their scores); then sampling: fp32 logits, / temperature, log_softmax, exp (greedy eval's path), and,
+        # their scores; a turn that extends parked KV runs as such steps of at most B rows); then sampling: fp32 logits, / temperature, log_softmax, exp (greedy eval's path), and,
         # without the kernels (dsa_triton.sample), the noise's int64 hashes
         dsa_decode = 0
         if cfg.dsa is not None and cfg.dsa.topk < S:

@@ -114,7 +114,7 @@ class Generator:
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
         self.prompts_per_step, self.n, self.sampling = prompts_per_step, n, sampling
         self.max_staleness, self.dynamic_sampling, self.oversample = max_staleness, dynamic_sampling, oversample
-        self.chat_template, self.streams = chat_template, hasattr(engine, "stream")
+        self.chat_template, self.streams = chat_template, hasattr(engine, "session") or hasattr(engine, "stream")
         self.env_cls = env_cls or single_turn(reward_fn)
         self.limits = replace(limits or Limits(sampling.max_new_tokens, sampling.max_new_tokens, 1),
                               max_prompt_tokens=max_prompt_tokens)

@@ -448,7 +448,7 @@ def main(argv=None):
     try:  # data.py, model.py and transformers name the file and what was wrong: show that, not a traceback
         tokenizer = AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer") or start)
         reward = data.load_reward(cfg.data.reward, cfg.data.answer_line)  # (answer_line: the built-in grader's option)
-        env_cls = env.load_env(cfg.data.env) if cfg.data.env else env.single_turn(reward)
+        env_cls = env.load_env(cfg.data.env, cfg.data.env_args) if cfg.data.env else env.single_turn(reward)
         examples_of = lambda src, split: data.load_examples(  # noqa: E731  (all prompts tokenized now: fail in seconds)
             src, tokenizer, cfg.data, split=split, seed=cfg.seed, sft=cfg.train.sft_steps > 0, chat_template=
             cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens, verbose=rank() == 0,

@@ -3,6 +3,7 @@
 tokenizer holding GLM's special tokens; exact token accounting through the episode loop on the torch
 engine; limits, void turns, failures (raise, timeout, malformed), close() on every episode; the demo's
 calculator."""
+import random
 import string
 import time
 
@@ -155,6 +156,42 @@ def test_trajectory_ids_are_the_sampled_ids_plus_the_rendered_env_ids():
     again = engine.generate([ep.prompt + ep.response[:start]], SamplingParams(temperature=1.0, max_new_tokens=n,
                             stop_token_ids=stops(tok)), seed=3 + (len(ep.spans) - 1) * env.TURN_SEED)
     assert again[0].token_ids == ep.response[start:start + n]
+
+
+class Slow(Scripted):
+    """A tool that takes its time, unevenly (random: it differs between runs, as a real tool's does)."""
+    def step(self, text):
+        time.sleep(0.005 + 0.03 * random.random())
+        return super().step(text)
+
+
+def later_turn_tokens(ep):
+    """The tokens each later turn must prefill: the env's answer and the last sampled token (never fed)."""
+    return sum(start - (prev + n) + 1 for (prev, n), (start, _) in zip(ep.spans, ep.spans[1:]))
+
+
+@pytest.mark.parametrize("admit_after", [None, 2])
+def test_turns_wait_on_their_tool_while_the_engine_decodes_others(admit_after):
+    """Eight trajectories, two decode rows, a tool that sleeps: a trajectory waiting on its tool parks its KV and
+    frees its row, so the others decode meanwhile; its next turn prefills only the env's new tokens (exactly:
+    the tokens the spans say) and extends its parked KV. With admit_after the loop admits an answer a fixed number
+    of iterations after its turn, so a second run gives the same tokens although the tool's times differ; with
+    None (as soon as it arrives) the episodes are equally well formed."""
+    limits = Limits(max_new_tokens=12, max_total_tokens=200, max_turns=5, admit_after=admit_after)
+    runs = []
+    for _ in range(2):
+        tok = tool_tokenizer()
+        engine = tiny_engine(tok)
+        engine.max_batch = 2
+        eps, order, engine, tok = play(Slow, [{"prompt": "ab"[k % 2] * (k + 1)} for k in range(8)], limits, tok, engine)
+        assert sorted(order) == list(range(8)) and all(ep.failure is None for ep in eps)
+        assert sum(ep.turns for ep in eps) > 8 and engine.stats["evicted"] == 0
+        assert engine.stats["extend_tokens"] == sum(later_turn_tokens(ep) for ep in eps)
+        assert engine.stats["prefill_tokens"] == engine.stats["extend_tokens"] + sum(len(ep.prompt) for ep in eps)
+        assert len(engine.pool.free) == engine.pool.num_blocks
+        runs.append([(ep.response, ep.logprobs) for ep in eps])
+    if admit_after is not None:
+        assert runs[0] == runs[1]
 
 
 def test_limits_end_trajectories_with_finish_length():

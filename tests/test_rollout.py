@@ -124,18 +124,20 @@ def test_oversampling_keeps_the_first_informative_groups_in_prompt_order():
     m = batch.metrics
     assert m["rollout/rounds"] == 1 and m["rollout/prompts_cancelled"] == 4 - (informative[1] + 1)
     assert m["rollout/groups_dropped"] == informative[1] - 1  # the uniform groups before the last one taken
-    assert sorted(seen) == sorted(drawn[:informative[1] + 1])  # cancelled prompts are never graded
+    # every prompt up to the last one taken was graded; a cancelled one may have been too, when its turn ended in the
+    # same engine iteration (the env calls of an iteration start together), but nothing of it trains
+    assert set(drawn[:informative[1] + 1]) <= set(seen) <= set(drawn)
 
 
 def test_oversampling_without_streaming_counts_the_surplus_groups_as_dropped():
     """An engine that cannot stream (SGLang's adapter) finishes every over-sampled prompt: the batch keeps
     the first informative groups in prompt order and the surplus is reported, not lost silently."""
-    class NoStream:  # a TorchEngine without stream()
+    class NoStream:  # a TorchEngine without stream() or sessions
         def __init__(self, engine):
             self.engine = engine
 
         def __getattr__(self, name):
-            if name == "stream":
+            if name in ("stream", "session"):
                 raise AttributeError(name)
             return getattr(self.engine, name)
 
@@ -172,7 +174,7 @@ def test_uniform_groups_used_to_top_up_are_not_counted_as_dropped():
 def test_generator_error_surfaces_at_once(monkeypatch):
     """A bug in the generator thread (here the engine's) reaches the learner at once, with its cause."""
     gen = make_generator(1)
-    monkeypatch.setattr(gen.engine, "stream", lambda *a, **k: 1 / 0)
+    monkeypatch.setattr(gen.engine, "session", lambda *a, **k: 1 / 0)
     gen.start()
     t0 = time.perf_counter()
     with pytest.raises(RuntimeError, match="generator thread failed") as e:
