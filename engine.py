@@ -16,6 +16,7 @@ produced each completion's tokens (the rollout chapter judges staleness from tha
 """
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -157,7 +158,8 @@ class _Request:
     versions: list | None = None  # [oldest, newest] weight version
     blocks: list[int] = field(default_factory=list)  # its KV blocks, in position order
     finish: str | None = None
-    key: object = None  # a session's trajectory: its KV is parked, not freed, when the turn ends
+    key: object = None  # a session's trajectory: a turn extends its parked KV
+    park: bool = False  # ... and parks its own when it ends (not freed), for the trajectory's next turn
     cached: int = 0  # leading positions of its context whose KV its blocks already hold (a parked prefix)
 
     def completion(self):
@@ -207,7 +209,8 @@ class TorchEngine:
         self.dtype = next(model.parameters()).dtype
         self.pool = None  # the PagedKVCache, made by the first call that needs it
         self.stats = {"iterations": 0, "prefills": 0, "prefill_tokens": 0, "retracted": 0,  # for tests and benchmarks
-                      "graph_steps": 0, "parked": 0, "evicted": 0, "extends": 0, "extend_tokens": 0}
+                      "graph_steps": 0, "parked": 0, "evicted": 0, "extends": 0, "extend_tokens": 0,
+                      "decode_steps": 0, "decode_rows": 0}
 
     # ------------------------------------------------------------------------- calls
 
@@ -260,15 +263,16 @@ class TorchEngine:
             finally:
                 self._close()
 
-    def submit(self, prompt: list[int], max_new: int, seed: int, key=None) -> int:
+    def submit(self, prompt: list[int], max_new: int, seed: int, key=None, park: bool = True) -> int:
         """Queue a request (in a session); returns its index, which step() yields with its Completion. seed:
-        32 bits (its noise); key: the trajectory it continues, or None (its KV is freed when it ends)."""
+        32 bits (its noise); key: the trajectory it continues (None: none); park: keep its KV when it ends, for
+        the key's next turn (False: the trajectory's last turn, its KV freed at once)."""
         if len(prompt) == 0:
             raise ValueError("cannot generate from an empty prompt")
         if len(prompt) + max_new > self.longest or max_new > self.out_tok.shape[1]:
             raise ValueError(f"a request of {len(prompt)} + {max_new} tokens exceeds the session's {self.longest} "
                              f"(and {self.out_tok.shape[1]} new)")
-        r = _Request(self.submitted, list(prompt), max_new, seed & _M32, key=key)
+        r = _Request(self.submitted, list(prompt), max_new, seed & _M32, key=key, park=park and key is not None)
         self.submitted += 1
         self.waiting.append(r)
         return r.index
@@ -369,7 +373,7 @@ class TorchEngine:
         batch = []
         for j, b in enumerate(rows):
             r = self.reqs[b]
-            if r.key is None or finish != "done":  # a session's finished turn keeps its blocks (parked at _land)
+            if not r.park or finish != "done":  # a session's finished turn keeps its blocks (parked at _land)
                 self.pool.free += reversed(r.blocks)
                 r.blocks = []
             self.free_bufs.append(int(host[2][b]))
@@ -619,6 +623,8 @@ class TorchEngine:
     def _decode(self):
         """One token for every running row. Rows already done (a first token that was a stop) ride along
         until the read; they sample, but nothing is recorded for them."""
+        self.stats["decode_steps"] += 1
+        self.stats["decode_rows"] += len(self.reqs)
         Lk = int(self.host_pos.max()) + 1
         graphs = self.graphs if self.graphs and not self.graphs.failed else None  # failed: eager, unpadded
         Bg, Lk = graphs.bucket(len(self.reqs), Lk) if graphs else (None, Lk)  # a graph's shape: more keys
@@ -846,12 +852,24 @@ class SGLangEngine:
         rng = random.Random(seed)
         futures = []
         for p, s in zip(prompts, per):  # all at once: SGLang's scheduler batches them (up to max_batch running)
-            sp = {"temperature": s.temperature, "top_p": s.top_p,
-                  "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids)}
+            sp = self._sampling_dict(s, s.max_new_tokens)
             if seed is not None:  # one seed per request: the n copies of a prompt must differ
                 sp["sampling_seed"] = rng.getrandbits(31)
             futures.append(asyncio.run_coroutine_threadsafe(self._generate_one(list(p), sp), self.loop))
         return [f.result() for f in futures]
+
+    @contextlib.contextmanager
+    def session(self, sampling: SamplingParams, longest: int, width: int | None = None):
+        """TorchEngine.session's calls on SGLang, for env.py's episode loop (token ids in and out, so nothing
+        is re-tokenized): submit() sends a request at once, step() returns those that have finished (waiting a
+        little for one), end() is a no-op (SGLang's radix cache keeps a trajectory's prefix while it has room,
+        and its next turn reuses it). Each request's seed is its sampling_seed, honoured only with SGLang's
+        deterministic inference: runs on SGLang are not reproducible, whatever rollout.env_admit_after says."""
+        yield _SGLangSession(self, sampling)
+
+    def _sampling_dict(self, s: SamplingParams, max_new: int):
+        return {"temperature": s.temperature, "top_p": s.top_p, "max_new_tokens": max_new,
+                "stop_token_ids": list(s.stop_token_ids)}
 
     async def _generate_one(self, prompt, sp):
         start = self.version
@@ -945,6 +963,36 @@ class SGLangEngine:
         self.engine.shutdown()
         if getattr(self, "_fp8_dir", None) is not None:  # the e4m3 copy of the checkpoint goes with the engine
             self._fp8_dir.cleanup()
+
+
+class _SGLangSession:
+    """One session of an SGLangEngine (SGLangEngine.session): requests in flight as futures on its loop."""
+
+    def __init__(self, engine, sampling):
+        self.engine, self.sampling, self.futures, self.submitted = engine, sampling, {}, 0
+
+    def submit(self, prompt, max_new, seed, key=None, park=True):
+        if len(prompt) == 0:
+            raise ValueError("cannot generate from an empty prompt")
+        sp = self.engine._sampling_dict(self.sampling, max_new) | {"sampling_seed": seed & 0x7FFFFFFF}
+        self.futures[self.submitted] = asyncio.run_coroutine_threadsafe(self.engine._generate_one(list(prompt), sp),
+                                                                        self.engine.loop)
+        self.submitted += 1
+        return self.submitted - 1
+
+    def step(self, wait_s=0.01):
+        """The requests that have finished, in submission order (waiting up to wait_s for the first)."""
+        if self.futures:
+            concurrent.futures.wait(list(self.futures.values()), timeout=wait_s, return_when=concurrent.futures.FIRST_COMPLETED)
+        done = [i for i, f in self.futures.items() if f.done()]
+        return [(i, self.futures.pop(i).result()) for i in done]
+
+    @property
+    def busy(self):
+        return bool(self.futures)
+
+    def end(self, key):
+        pass
 
 
 def fp8_checkpoint(model_path):

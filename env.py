@@ -438,8 +438,8 @@ def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopp
         if (t, redo) not in seeds:
             seeds[t, redo] = _seeds(seed, len(episodes), t, redo)
         max_new = min(limits.max_new_tokens, limits.max_total_tokens - len(ep.response))
-        key = i if t + 1 < last_turn else None
-        owner[call.submit(ep.prompt + ep.response, max_new, seeds[t, redo][i], key=key)] = (i, redo)
+        key = i if last_turn > 1 else None  # (single-turn: nothing to extend, nothing to park)
+        owner[call.submit(ep.prompt + ep.response, max_new, seeds[t, redo][i], key=key, park=t + 1 < last_turn)] = (i, redo)
 
     with engine.session(sampling, longest, limits.max_new_tokens) as call:
         for i in live:

@@ -781,6 +781,44 @@ def test_sglang_engine_args_and_completions(tmp_path, fake_sglang):
     assert fake.shut and not engine._thread.is_alive()
 
 
+def test_sglang_session_drives_episodes_by_token_ids(tmp_path, fake_sglang):
+    """env.py's episode loop on SGLang: a session takes requests while others run and returns each as it ends,
+    with the completions generate() gives, each request's seed its sampling_seed; and a whole multi-turn episode
+    loop runs on it (token ids in and out)."""
+    import env
+    engine, fake = fake_sglang(tmp_path, max_batch=8)
+    sp = SamplingParams(temperature=0.7, max_new_tokens=4, stop_token_ids=(12,))
+    with engine.session(sp, 64) as call:
+        a = call.submit([1, 2, 9], 4, 5)
+        got = {}
+        while call.busy:
+            for i, c in call.step():
+                got[i] = c
+                if i == a:
+                    call.submit([20], 3, 2**40 + 6, key="t")  # submitted while the call runs; seeds kept to 31 bits
+    assert got == {0: Completion([10, 11, 12], [-0.5] * 3, "stop", (0, 0)), 1: Completion([21, 22, 23], [-0.5] * 3, "length", (0, 0))}
+    assert [s["sampling_seed"] for s in fake.seen] == [5, 6]
+
+    class Echo:  # two turns: the env answers the first with an observation
+        def __init__(self, example):
+            self.example, self.turns = example, 0
+
+        def reset(self):
+            return [{"role": "user", "content": self.example["prompt"]}]
+
+        def step(self, text):
+            self.turns += 1
+            return ([{"role": "observation", "content": "ok"}], 0.0, False) if self.turns < 2 else ([], 1.0, True)
+
+    from data import make_tiny_tokenizer
+    tok = make_tiny_tokenizer(tools=True)
+    eps = [env.Episode({"prompt": "1+1="}, 0)]
+    sp = SamplingParams(max_new_tokens=8, stop_token_ids=(10,))  # the fake counts up from the context's last id
+    ends = list(env.run_episodes(engine, eps, Echo, tok, sp, env.Limits(8, 40, 3), seed=0))
+    assert [i for i, _ in ends] == [0] and eps[0].turns == 2 and eps[0].failure is None and eps[0].reward == 1.0
+    assert eps[0].response[:5] == [6, 7, 8, 9, 10]  # the first turn, through its stop token
+
+
 @pytest.mark.parametrize("partial,session", [(True, False), (False, True)])
 def test_sglang_weight_push_is_chunked_and_lazy(tmp_path, fake_sglang, partial, session):
     if session:
