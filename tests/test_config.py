@@ -195,6 +195,19 @@ def test_dry_run_prints_the_9b_memory_plan():
     assert p.stderr.startswith("error: does not fit on H100s: learner GPU (ddp over 4)") and "train.parallel: fsdp" in p.stderr
 
 
+def test_the_tool_recipe_plans_its_longest_trajectory():
+    """configs/glm9b_tool_math.yaml: the plan counts 1024 prompt + 16384 trajectory tokens, in the generator's
+    sequences and in the learner's micro-batch (one trajectory longer than the micro-batch budget is one alone)."""
+    cfg = load_config(os.path.join(ROOT, "configs", "glm9b_tool_math.yaml"), [])
+    assert cfg.data.env == "tools:PythonMath" and cfg.rollout.env_admit_after is None
+    plan = config.plan_memory(cfg, cfg.train.pairs)
+    text = plan.text(config.H100_BYTES)
+    assert "prefill of 17408 packed tokens" in text and text.count("fits in 74.5 GiB") == 2
+    shorter = config.plan_memory(load_config(os.path.join(ROOT, "configs", "glm9b_tool_math.yaml"),
+                                             ["rollout.max_total_tokens=8192"]), cfg.train.pairs)
+    assert shorter.text(config.H100_BYTES) != text  # the learner's micro-batch follows the trajectory's length
+
+
 def test_sglang_engine_on_cpu_fails_before_training(tmp_path):
     p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "rollout.engine=sglang"], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)

@@ -161,7 +161,7 @@ def test_trajectory_ids_are_the_sampled_ids_plus_the_rendered_env_ids():
 class Slow(Scripted):
     """A tool that takes its time, unevenly (random: it differs between runs, as a real tool's does)."""
     def step(self, text):
-        time.sleep(0.005 + 0.03 * random.random())
+        time.sleep(0.002 + 0.01 * random.random())
         return super().step(text)
 
 

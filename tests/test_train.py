@@ -531,7 +531,8 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(async_run,
 
 TOOL = os.path.join(ROOT, "configs", "tiny_tool_cpu.yaml")
 # The calculator demo, small: enough supervised steps that the model calls the tool, a few RL steps
-TOOL_FAST = ["data.train_size=256", "train.sft_steps=200", "train.warmup_batch_size=32", "optim.sft_lr=1e-2",
+TOOL_FAST = ["data.train_size=256", "data.eval_size=16", "train.sft_steps=80", "train.warmup_batch_size=32",
+             "optim.sft_lr=1e-2",
              "train.rl_steps=4", "rollout.max_staleness=1", "rollout.dump_fraction=1.0"]
 
 
@@ -544,8 +545,8 @@ def tool_run(tmp_path_factory):
 
 def test_a_multi_turn_run_with_the_calculator_resumes_exactly(tool_run, tmp_path):
     """The calculator env, multi-turn episodes, one step off-policy: SIGTERM after an RL step, --resume, and the
-    run ends as the uninterrupted one (metrics and weights): turns are admitted in lockstep, each turn's seed is
-    fixed, so a resumed batch plays the same episodes."""
+    run ends as the uninterrupted one (metrics and weights): env answers are admitted at fixed engine iterations
+    (rollout.env_admit_after) and each turn's seed is fixed, so a resumed batch plays the same episodes."""
     rl = [r for r in metrics(tool_run) if r["stage"] == "rl" and "rollout/turns" in r]
     assert max(r["rollout/turns"] for r in rl) > 1 and max(r["rollout/tool_calls"] for r in rl) > 0  # multi-turn
     assert all(r["rollout/env_failures"] == 0 for r in rl)
@@ -605,7 +606,7 @@ def test_resume_reads_the_runs_own_config(tmp_path):
     """--resume continues with run_dir/config.yaml: the recipe file and its defaults do not come back;
     an override may change only what is safe mid-run, anything else is refused naming both values."""
     run_dir = str(tmp_path / "own")
-    run_train(run_dir, "rollout.temperature=1.0", "train.rl_steps=2")
+    run_train(run_dir, "rollout.temperature=1.0", "train.rl_steps=2", "train.dsa_warmup_steps=0", "train.sft_steps=0")
     p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", "--resume", "rollout.temperature=2.0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode != 0 and p.stderr.strip().splitlines() == [
@@ -624,7 +625,7 @@ def test_a_run_without_a_checkpoint_restarts_fresh(tmp_path):
     """Killed before its first checkpoint: a plain start refuses the directory, --resume starts it fresh
     and says so (the old metrics are dropped, not appended to)."""
     run_dir = str(tmp_path / "early")
-    args = ("train.dsa_warmup_steps=0", "train.sft_steps=30", "train.rl_steps=0", "train.save_every=1000")
+    args = ("train.dsa_warmup_steps=0", "train.sft_steps=12", "train.rl_steps=0", "train.save_every=1000")
     proc = run_train(run_dir, *args, wait=False)
     wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and metrics(run_dir), proc)
     proc.send_signal(signal.SIGKILL)
@@ -634,7 +635,7 @@ def test_a_run_without_a_checkpoint_restarts_fresh(tmp_path):
     assert p.returncode != 0 and "already holds a run; pass --resume to continue it" in p.stderr
     p = run_train(run_dir, *args, resume=True)
     assert f"{run_dir} has no checkpoint yet: starting it fresh" in p.stdout
-    assert [(r["stage"], r["step"]) for r in metrics(run_dir)] == [("sft", s) for s in range(1, 31)]
+    assert [(r["stage"], r["step"]) for r in metrics(run_dir)] == [("sft", s) for s in range(1, 13)]
 
 
 def test_overlong_prompts_fail_before_any_work(tmp_path):
@@ -805,26 +806,10 @@ def test_two_processes_warm_up_like_one(two_proc_run, sync_run):
     assert all(r["train/samples"] == 16 and r["perf/publish_s"] >= 0 for r in rl)  # both ranks' 8 samples
 
 
-def test_two_processes_resume_exactly(two_proc_run, tmp_path):
-    """Stop 2 processes (torchrun) after RL step 2, resume with torchrun: the run ends as the
-    uninterrupted one did (per-rank data positions and RNGs restored, FSDP optimizer state reloaded)."""
-    run_dir = str(tmp_path / "resumed")
-    run_procs(run_dir, "train.parallel=fsdp", "train.rl_steps=2", launcher="torchrun")
-    run_procs(run_dir, "train.parallel=fsdp", resume=True, launcher="torchrun")
-    got, want = metrics(run_dir), metrics(two_proc_run)
-    assert [(r["stage"], r["step"]) for r in got] == EXPECTED_STEPS
-    for a, b in zip(got, want):
-        for key in ("train/loss", "rollout/reward", "eval/synthetic/accuracy", "train/grad_norm", "train/pg_loss"):
-            assert (key in a) == (key in b)
-            if key in a:
-                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["stage"], a["step"], key)
-    a, b = (dict(GLM.from_pretrained(checkpoint.checkpoints(d)[-1]).named_parameters()) for d in (run_dir, two_proc_run))
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
-
-
 def test_two_processes_killed_and_resumed_end_exactly(two_proc_run, tmp_path):
-    """SIGKILL to both processes (and the launcher) in the RL stage, --resume: the same run as never killed."""
+    """SIGKILL to both processes (and the launcher) in the RL stage, --resume under torchrun (the run was started
+    by train.py itself): the same run as never killed, bit for bit (per-rank data positions and RNGs restored,
+    FSDP optimizer state reloaded)."""
     run_dir = str(tmp_path / "killed2")
     args = ["--config", TINY, f"run_dir={run_dir}", *FAST, "rollout.max_staleness=0", "train.parallel=fsdp"]
     proc = subprocess.Popen([sys.executable, "train.py", *args, "train.pairs=2"], cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -833,7 +818,7 @@ def test_two_processes_killed_and_resumed_end_exactly(two_proc_run, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children are in their own sessions: find them by their run_dir
     proc.wait()
     subprocess.run(["pkill", "-9", "-f", f"run_dir={run_dir}"])
-    run_procs(run_dir, "train.parallel=fsdp", resume=True)
+    run_procs(run_dir, "train.parallel=fsdp", resume=True, launcher="torchrun")
     assert without_times(metrics(run_dir)) == without_times(metrics(two_proc_run))
     a, b = final_weights(run_dir), final_weights(two_proc_run)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,99 @@
+"""lora.py: at the start of RL the LoRA model is exactly its base (fp32, bf16 weights, bf16 autocast); gradients
+reach the adapters only, kept in fp32 under autocast; disabled() is the base; the fp32 merge is the adapted
+layer; the peft layout loads with peft onto transformers' Glm4ForCausalLM and gives our logits."""
+import json
+
+import pytest
+import torch
+
+import lora
+from lora import LoRAConfig
+from model import GLM, GLMConfig
+
+DSA = {"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}
+
+
+def tiny(dsa=None, seed=0):
+    torch.manual_seed(seed)
+    return GLM(GLMConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, attention_bias=True, dsa=dsa))
+
+
+def trained(model, seed=1):
+    """Adapters as after some training: B no longer zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in lora.adapter_named(model):
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+IDS = torch.tensor([[3, 9, 27, 4, 11, 8, 30, 2, 5, 17]])
+
+
+@pytest.mark.parametrize("dsa", [None, DSA])
+def test_at_the_start_the_lora_model_is_its_base(dsa):
+    """B = 0: the logits equal the base's bit for bit, in fp32, with bf16 weights (the generator) and under
+    bf16 autocast with fp32 weights (the learner); the adapters sit on every decoder linear, not the indexer."""
+    base = tiny(dsa)
+    model = lora.add(tiny(dsa), LoRAConfig(rank=4))
+    names = [n for n, _ in lora.adapter_named(model)]
+    assert len(names) == 2 * 6 * 2 and not any("indexer" in n for n in names)
+    with torch.no_grad():
+        assert torch.equal(model(IDS), base(IDS))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(IDS), base(IDS))
+        assert torch.equal(model.to(torch.bfloat16)(IDS), base.to(torch.bfloat16)(IDS))
+
+
+def test_gradients_reach_only_the_adapters_in_fp32_under_autocast():
+    model = trained(lora.add(tiny(DSA), LoRAConfig(rank=4)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(IDS).float().logsumexp(-1).mean()
+    loss.backward()
+    for n, p in model.named_parameters():
+        if n.endswith((".lora_A", ".lora_B")):
+            assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, n
+            assert p.grad.abs().sum() > 0, n
+        else:
+            assert not p.requires_grad and p.grad is None, n
+
+
+def test_the_adapted_layer_is_the_float64_formula_and_disabled_is_the_base():
+    model = trained(lora.add(tiny(), LoRAConfig(rank=4, alpha=8.0)))
+    m = model.layers[0].self_attn.q_proj
+    x = torch.randn(3, 32)
+    want = x.double() @ m.weight.double().T + m.bias.double() + 2.0 * (x.double() @ m.lora_A.double().T) @ m.lora_B.double().T
+    assert torch.allclose(m(x).double(), want, atol=1e-5)
+    assert torch.allclose(x.double() @ lora.merged_weight(m).double().T + m.bias.double(), want, atol=1e-5)
+    base = tiny()
+    with torch.no_grad(), lora.disabled(model):
+        assert torch.equal(model(IDS), base(IDS))
+    with torch.no_grad():
+        assert not torch.equal(model(IDS), base(IDS))
+
+
+def test_config_errors_are_one_line():
+    with pytest.raises(ValueError, match="model.lora.targets"):
+        LoRAConfig(targets=("q_proj", "indexer"))
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        LoRAConfig(rank=0)
+
+
+def test_adapters_in_peft_layout_load_onto_transformers_glm4(tmp_path):
+    """save_adapters writes what peft loads onto Glm4ForCausalLM (a dense model: transformers has no indexer):
+    the same logits as our LoRA model, in fp32."""
+    peft = pytest.importorskip("peft")
+    from transformers import Glm4ForCausalLM
+    model = trained(lora.add(tiny(), LoRAConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "gate_up_proj", "down_proj"))))
+    base = tiny()
+    base.save_pretrained(str(tmp_path / "base"))
+    lora.save_adapters(model, str(tmp_path / "adapter"), base_model=str(tmp_path / "base"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["peft_type"] == "LORA"
+    hf = peft.PeftModel.from_pretrained(Glm4ForCausalLM.from_pretrained(str(tmp_path / "base"), torch_dtype=torch.float32),
+                                        str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        want = hf(IDS).logits
+        got = model(IDS)
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
