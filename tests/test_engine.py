@@ -593,6 +593,32 @@ def test_parked_kv_is_evicted_first_and_evicted_turns_prefill_again():
     assert len(small.pool.free) == small.pool.num_blocks
 
 
+@pytest.mark.parametrize("reprefill", [False, True])
+def test_a_weight_update_between_turns_keeps_or_drops_parked_kv(reprefill):
+    """Weights published while a trajectory waits on its tool: its next turn records the new version; keep_kv
+    extends the parked KV (computed by the old weights, as running rows keep theirs), reprefill drops it and
+    prefills the whole context under the new weights. The same weights here, so the tokens equal an
+    undisturbed session's either way."""
+    def play(engine, update):
+        sampling = SamplingParams(temperature=0, max_new_tokens=5)
+        with engine.session(sampling, 40) as call:
+            call.submit([5, 6, 7], 5, 0, key="a")
+            first = [c for _ in iter(lambda: call.busy, False) for _, c in call.step()][0]
+            if update:
+                engine.update_weights(((n, p.detach().clone()) for n, p in engine.model.named_parameters()), version=1)
+            call.submit([5, 6, 7] + first.token_ids + [3, 4], 5, 1, key="a", park=False)
+            second = [c for _ in iter(lambda: call.busy, False) for _, c in call.step()][0]
+        return first, second
+
+    want = play(TorchEngine(tiny_model(DSA3).eval()), update=False)
+    engine = TorchEngine(tiny_model(DSA3).eval(), reprefill=reprefill)
+    first, second = play(engine, update=True)
+    assert (first.token_ids, second.token_ids) == (want[0].token_ids, want[1].token_ids)
+    assert first.versions == (0, 0) and second.versions == (1, 1)
+    assert engine.stats["extends"] == (0 if reprefill else 1) and engine.stats["evicted"] == (1 if reprefill else 0)
+    assert len(engine.pool.free) == engine.pool.num_blocks  # the last turn (park=False) freed its blocks at once
+
+
 def test_a_context_that_does_not_extend_its_parked_tokens_prefills_whole():
     """TITO guard: if a trajectory's next context is not its parked tokens plus more (an env that rewrote the
     history), the parked KV is dropped and the whole context runs, never a stale prefix."""
