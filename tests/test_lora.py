@@ -97,3 +97,30 @@ def test_adapters_in_peft_layout_load_onto_transformers_glm4(tmp_path):
         want = hf(IDS).logits
         got = model(IDS)
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_decodes_unmerged_and_takes_an_adapters_only_publish(dtype):
+    """An engine holding the base with zero adapters receives the learner's adapters alone (a few percent of
+    the bytes here; megabytes against gigabytes at 9B) and then decodes x W + scale x A B unmerged: its greedy
+    tokens and logprobs are a float64 full forward's of the learner's model (bf16 weights: within bf16's
+    rounding: the whole engine model, adapters too, in bf16)."""
+    from engine import SamplingParams, TorchEngine
+    cfg = LoRAConfig(rank=4, alpha=8.0)
+    learner = trained(lora.add(tiny(DSA), cfg))
+    engine = TorchEngine(lora.add(tiny(DSA), cfg).to(dtype))
+    sent = [(n, p.detach()) for n, p in lora.adapter_named(learner)]
+    engine.update_weights(sent, version=1)
+    assert sum(t.numel() for _, t in sent) < 0.25 * sum(p.numel() for p in learner.parameters())
+    ref = tiny(DSA).double()
+    ref = lora.add(ref, cfg)
+    ref.load_state_dict({k: v.double() for k, v in learner.state_dict().items()})
+    if dtype != torch.float32:  # the reference holds the weights the engine holds, rounded to bf16
+        ref.load_state_dict({k: v.to(dtype).double() for k, v in learner.state_dict().items()})
+    (out,) = engine.generate([[3, 9, 27, 4]], SamplingParams(temperature=0, max_new_tokens=12))
+    with torch.no_grad():
+        logp = ref(torch.tensor([[3, 9, 27, 4] + out.token_ids]))[0, 3:-1].log_softmax(-1)
+    chosen = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    tol = 1e-5 if dtype == torch.float32 else 6e-2
+    assert (logp.max(-1).values - chosen <= (1e-6 if dtype == torch.float32 else tol)).all()
+    assert out.logprobs == pytest.approx(chosen.tolist(), abs=tol) and out.versions == (1, 1)
