@@ -527,7 +527,8 @@ def test_sample_noise_is_finite_at_glms_vocabulary(monkeypatch):
 
 def test_engine_on_the_kernels_generates_what_pytorch_does(monkeypatch):
     """TorchEngine where the kernels run (CUDA; here the interpreter): paged decode attention on the
-    Triton kernel and the fused sampler give the sampled tokens and logprobs of the PyTorch path."""
+    Triton kernel and the fused sampler give the sampled tokens and logprobs of the PyTorch path; so does a
+    session's second turn, whose new tokens extend the parked KV through the same kernel."""
     import engine
     from model import GLM, GLMConfig
     torch.manual_seed(0)
@@ -545,3 +546,20 @@ def test_engine_on_the_kernels_generates_what_pytorch_does(monkeypatch):
     assert {"sample", "sparse_attention"} <= set(calls)
     assert [c.token_ids for c in got] == [c.token_ids for c in ref]
     assert [lp for c in got for lp in c.logprobs] == pytest.approx([lp for c in ref for lp in c.logprobs], abs=1e-5)
+
+    def two_turns():  # a session: the second turn extends the first's parked KV (its rows are queries of the kernel)
+        e = engine.TorchEngine(m, max_batch=2)
+        with e.session(sp, 40) as call:
+            call.submit([1, 2, 3], 6, 5, key=0)
+            first = [c for _ in iter(lambda: call.busy, False) for _, c in call.step()][0]
+            call.submit([1, 2, 3] + first.token_ids + [7, 8], 6, 6, key=0, park=False)
+            second = [c for _ in iter(lambda: call.busy, False) for _, c in call.step()][0]
+        assert e.stats["extends"] == 1
+        return first.token_ids + second.token_ids, first.logprobs + second.logprobs
+
+    calls.clear()
+    tok, lp = two_turns()
+    assert "sparse_attention" in calls
+    monkeypatch.setattr(dsa, "USE_TRITON", False)
+    tok_ref, lp_ref = two_turns()
+    assert tok == tok_ref and lp == pytest.approx(lp_ref, abs=1e-5)
