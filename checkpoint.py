@@ -31,6 +31,7 @@ from transformers import AutoTokenizer
 
 import data
 import hub
+import lora
 from config import ConfigError
 from model import GLM, GLMConfig
 from parallel import all_gather, barrier, load_learner, rank, unwrap
@@ -109,7 +110,10 @@ def save_checkpoint(cfg, model, tokenizer, stage, step, optimizer, rank_state, *
     gs = global_step(cfg, stage, step)
     state = {"stage": stage, "step": step, "global_step": gs, "optimizer": optim, "ranks": ranks} | state
     root = os.path.join(cfg.run_dir, "checkpoints")
-    save_full(model, tokenizer, os.path.join(root, f"step_{gs:06d}"), state)
+    if hasattr(unwrap(model), "lora"):
+        save_lora(model, tokenizer, os.path.join(root, f"step_{gs:06d}"), state)
+    else:
+        save_full(model, tokenizer, os.path.join(root, f"step_{gs:06d}"), state)
     if rank() == 0:
         for old in checkpoints(cfg.run_dir)[:-cfg.train.keep_checkpoints]:
             shutil.rmtree(old)
@@ -128,11 +132,40 @@ def save_full(model, tokenizer, path, state=None):
     barrier()
 
 
+def save_lora(model, tokenizer, path, state):
+    """A LoRA run's RL checkpoint: its adapters (peft's layout) and state.pt, no weights. The frozen base they
+    sit on is written once, to run_dir/lora_base (lora.base_dir finds it). The ranks' replicas are equal: rank 0
+    writes its own."""
+    if rank() == 0:
+        net, base = unwrap(model), os.path.join(os.path.dirname(os.path.dirname(path)), lora.BASE)
+        if not os.path.isdir(base):
+            with torch.device("meta"):
+                shell = GLM(net.cfg)
+            shell.load_state_dict({k: v for k, v in net.state_dict().items() if not k.endswith((".lora_A", ".lora_B"))},
+                                  assign=True)
+            save_dir(base, shell, tokenizer)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_dir(path, _Adapters(net, base), tokenizer, state)
+    barrier()
+
+
+class _Adapters:
+    """What save_dir saves for a LoRA checkpoint: the adapters, in peft's layout, naming their base."""
+    def __init__(self, net, base):
+        self.net, self.base = net, base
+
+    def save_pretrained(self, folder):
+        os.makedirs(folder, exist_ok=True)
+        lora.write_adapters(self.net, folder, base_model=os.path.abspath(self.base))
+
+
 def reference_model(cfg, model, tokenizer, resume):
     """The frozen KL reference: the policy as RL started, saved once to run_dir/reference (so that a resumed
     run keeps it) and loaded on the learner device like the policy (FSDP: each rank reads only its shards).
     bf16 on a GPU: the learner's forward computes in bf16 there (autocast, FSDP's bf16 gathers), so fp32
     reference weights would be rounded to the same bf16 at every use and only cost memory; fp32 on the CPU."""
+    if cfg.model.lora is not None:  # the base under the adapters: the same model with them off (lora.Base)
+        return lora.Base(model)
     ref_dir, device = os.path.join(cfg.run_dir, "reference"), model.lm_head.weight.device
     if not os.path.isdir(ref_dir):
         if resume is not None and resume["stage"] == "rl" and resume["step"] > 0:
@@ -154,7 +187,7 @@ def load_latest(run_dir, load_model, processes):
     for ckpt in reversed(checkpoints(run_dir)):
         try:  # our own file (RNG states are not tensors); mmap: processes share one copy in memory
             state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False, mmap=True)
-            model = load_model(ckpt)
+            model = lora.load_model(ckpt, load_model)  # (a LoRA checkpoint: its base, then its adapters)
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: try the one before
             if rank() == 0:
                 print(f"[train] {ckpt} cannot be read ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "

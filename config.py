@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 import data
 import grpo
 import hub
+import lora
 from grpo import GRPOConfig
 from memory import memory_plan
 from model import GLMConfig
@@ -42,6 +43,10 @@ class ModelConfig:
     tokenizer: str | None = None  # a tokenizer directory or Hub id; null: the checkpoint's (with init: the synthetic task's)
     gradient_checkpointing: bool = False  # recompute each block in backward: less learner memory, ~1/3 more compute
     dsa_kernels: bool = True  # on CUDA, DSA and the engine's sampler run dsa_triton.py's kernels (false: PyTorch)
+    # LoRA for RL (lora.LoRAConfig: rank, alpha, targets, lr; {} takes its defaults): the warm-up stages train the
+    # whole model, then RL trains adapters on every decoder linear of that frozen base (bf16 on a GPU), publishes
+    # the adapters alone, and checkpoints adapters + their optimizer state. null: RL trains the whole model
+    lora: dict | None = None
 
 
 @dataclass
@@ -437,6 +442,17 @@ def check_config(cfg: Config, where):
          + (f"data.env is {cfg.data.env!r}: the env grades" if cfg.data.env else f"data.reward is {cfg.data.reward!r}")
          + ", so it would be ignored")
     need(not cfg.data.env_args or cfg.data.env, "data.env_args are for data.env's setup(), but data.env is not set")
+    if cfg.model.lora is not None:
+        try:
+            lora.LoRAConfig(**cfg.model.lora)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: model.lora: {str(e).removeprefix('model.lora: ')}") from None
+        need(cfg.rollout.quantization is None, "model.lora with rollout.quantization: fp8 is not supported (the "
+             "adapters would decode on a base rounded to e4m3 that the learner never saw); set one of them")
+        need(cfg.rollout.engine == "torch", "model.lora needs rollout.engine: torch (the SGLang adapter does not "
+             "take adapters)")
+        need(cfg.train.pairs == 1 or cfg.train.parallel == "ddp", "model.lora replicates the frozen base on every "
+             "learner and all-reduces the adapters' gradients: set train.parallel: ddp")
     need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
          f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
     need(cfg.grpo.surrogate != "dis" or (cfg.grpo.icepop_beta is None and cfg.grpo.tis_cap is None),

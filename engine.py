@@ -34,6 +34,7 @@ import torch
 import dsa
 import dsa_triton
 import fp8
+import lora
 from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, hf_name, our_name, to_device
 
 
@@ -1037,9 +1038,10 @@ def fp8_checkpoint(model_path):
 
 # ----------------------------------------------------------------------------- the config's choice
 
-def make_engine(rollout, model_dir, device, *, dsa, seed: int):
+def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None):
     """The generator's engine (rollout.engine) on this process's generator device, holding a copy of
-    model_dir. rollout: the config's rollout section; dsa: model.dsa."""
+    model_dir. rollout: the config's rollout section; dsa: model.dsa; lora_cfg: model.lora (adapters on the
+    engine's model too, decoded unmerged; the learner's publishes fill them)."""
     if rollout.engine == "sglang":  # SGLang missing, a CPU device or a DSA model: one line naming the problem
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
                             mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None,
@@ -1047,6 +1049,8 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int):
     model = GLM.from_pretrained(model_dir, dsa=dsa, device=device)
     if rollout.quantization == "fp8":  # the decoder's linears to block-wise e4m3, layer by layer (fp8.py)
         fp8.quantize_model_(model)
+    if lora_cfg is not None:
+        lora.add(model, lora.LoRAConfig(**lora_cfg), seed=seed)
     # when weights land is the Generator's choice; what rows in flight then do, the engine's
     return TorchEngine(model, max_batch=rollout.max_batch, kv_tokens=rollout.kv_cache_tokens,
                        reprefill=rollout.update_mode == "reprefill",

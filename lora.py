@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,35 @@ def add(model, cfg: LoRAConfig, seed: int = 0):
     return model
 
 
+def rl_trainable(model, cfg):
+    """Set what RL trains (train.py, at the start of RL; cfg: the run's Config). Without model.lora: every
+    parameter but the DSA indexer's (GLM-5 keeps the indexer frozen during RL). With it: adapters on the base
+    the warm-up stages trained (once: a resumed model has them already, from its checkpoint), the base cast to
+    bf16 on a GPU (no fp32 masters: it never steps)."""
+    if cfg.model.lora is None:
+        for name, p in model.named_parameters():
+            p.requires_grad_(".indexer." not in name)
+        return model
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        raise ValueError("model.lora: the learner is sharded (FSDP); LoRA replicates the base: train.parallel: ddp")
+    if model.lm_head.weight.device.type == "cuda":  # the base in bf16 (the indexer's fp32 islands kept)
+        from dsa import FP32_PARAMS
+        for name, p in model.named_parameters():
+            if not name.endswith((".lora_A", ".lora_B") + FP32_PARAMS):
+                p.data = p.data.to(torch.bfloat16)
+    if not hasattr(model, "lora"):
+        add(model, LoRAConfig(**cfg.model.lora), seed=cfg.seed)
+    return model
+
+
+def rl_lr(cfg):
+    """RL's learning rate: optim.lr, or with model.lora its lr (null: 10x optim.lr, LoRA Without Regret's ratio)."""
+    if cfg.model.lora is None:
+        return cfg.optim.lr
+    lr = LoRAConfig(**cfg.model.lora).lr
+    return lr if lr is not None else 10 * cfg.optim.lr
+
+
 def adapter_named(model):
     """(name, parameter) of every adapter, in module order: what trains, publishes and checkpoints."""
     return [(n, p) for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))]
@@ -133,21 +163,70 @@ def peft_name(name: str) -> str:
     return f"base_model.model.model.{module}.{which}.weight"
 
 
-def save_adapters(model, path, base_model: str | None = None):
-    """The adapters in peft's layout: adapter_config.json and adapter_model.safetensors (fp32), written into a
-    temporary directory and renamed into place. peft loads it onto transformers' Glm4ForCausalLM of the base."""
+def write_adapters(model, folder, base_model: str | None = None):
+    """The adapters in peft's layout, into folder: adapter_config.json and adapter_model.safetensors (fp32).
+    peft loads them onto transformers' Glm4ForCausalLM of the base."""
     from safetensors.torch import save_file
     cfg = model.lora
-    tmp = path.rstrip("/") + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
               "target_modules": sorted(cfg.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "use_rslora": False, "use_dora": False, "init_lora_weights": True, "base_model_name_or_path": base_model}
-    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
     tensors = {peft_name(n): p.detach().float().cpu().contiguous() for n, p in adapter_named(model)}
-    save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
-    if os.path.isdir(path):
-        import shutil
-        shutil.rmtree(path)
+    save_file(tensors, os.path.join(folder, ADAPTERS), metadata={"format": "pt"})
+
+
+def save_adapters(model, path, base_model: str | None = None):
+    """write_adapters into a temporary directory, renamed into place (never half-written)."""
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    write_adapters(model, tmp, base_model)
+    shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- checkpoints of a LoRA run
+
+ADAPTERS = "adapter_model.safetensors"
+BASE = "lora_base"  # run_dir/lora_base: the frozen base of a LoRA run's RL stage, written once beside checkpoints/
+
+
+def base_dir(path):
+    """The weights directory behind a checkpoint: itself, or for a LoRA checkpoint (adapters only) its run's
+    lora_base (run_dir/checkpoints/step_N -> run_dir/lora_base)."""
+    if not os.path.isfile(os.path.join(path, ADAPTERS)):
+        return path
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), BASE)
+
+
+def load_model(path, load):
+    """load(path) for a model directory; for a LoRA checkpoint, load(its base) with the checkpoint's adapters
+    added and read back (their config from adapter_config.json)."""
+    if not os.path.isfile(os.path.join(path, ADAPTERS)):
+        return load(path)
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        c = json.load(f)
+    model = load(base_dir(path))
+    add(model, LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], targets=tuple(c["target_modules"])))
+    ours = {n.removeprefix("base_model.model.model.").replace(".lora_A.weight", ".lora_A").replace(".lora_B.weight", ".lora_B"): t
+            for n, t in load_file(os.path.join(path, ADAPTERS)).items()}
+    load_adapters(model, ours)
+    return model
+
+
+class Base(nn.Module):
+    """A LoRA model with its adapters off, sharing every tensor: the KL reference of a LoRA run (no memory)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.__dict__["inner"] = model  # not a submodule: its parameters stay the learner's alone
+
+    def forward(self, *args, **kwargs):
+        with disabled(self.inner):
+            return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)

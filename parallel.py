@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fp8
+import lora
 from config import ConfigError
 from dsa import FP32_PARAMS
 from model import GLM
@@ -226,13 +227,18 @@ def clip_grad_norm(params, max_norm):
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
 
 
-def full_weights(model, dtype=None, quantization=None):
+def full_weights(model, dtype=None, quantization=None, base=False):
     """(name, full tensor) of every parameter, for publishing to the generator. Under FSDP each tensor
     is gathered from its shards when the consumer asks for it (cast to the generator's dtype first, so
     bf16 travels), so beyond the training state only one full tensor exists at a time. Every rank
     must consume the whole sequence: each gather is a collective. quantization "fp8": each decoder linear
     weight, once gathered (and cast to dtype: one rounding path with FSDP or without), is quantized here on
-    the learner's device (fp8.quantized_weights), so half the bytes travel to the generator."""
+    the learner's device (fp8.quantized_weights), so half the bytes travel to the generator. With LoRA the
+    generator holds the frozen base already and only the adapters move, unless base=True (the first publish of
+    RL, after the warm-up stages changed the base)."""
+    if hasattr(unwrap(model), "lora") and not base:  # LoRA: only the adapters move
+        return ((name, p.detach()) for name, p in lora.adapter_named(unwrap(model)))
+
     def gathered():
         for name, p in unwrap(model).named_parameters():
             p = p.detach()

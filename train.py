@@ -51,6 +51,7 @@ from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy
                       init_processes, launch, learner_backward, load_learner, micro_batches, once_per_machine,
                       optimizer_step, pair_devices, parallel_learner, rank, set_threads, unwrap, world)
 from engine import SamplingParams, make_engine
+from lora import base_dir, rl_lr, rl_trainable
 from rollout import Generator, evaluate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_cpu.yaml")
@@ -300,7 +301,7 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
         scale = guard.update(metrics["train/kl"]) if ref_model is not None else 1.0
         if ref_model is not None:
             metrics.update({"kl_guard/scale": scale, "kl_guard/fired": float(guard.fired), "kl_guard/kl_mean": guard.window_mean})
-        return lr_at(cfg, cfg.optim.lr, version) * scale
+        return lr_at(cfg, rl_lr(cfg), version) * scale
     return metrics | optimizer_step(optimizer, model, metrics["train/loss"], cfg.optim.grad_clip, lr)
 
 
@@ -332,10 +333,9 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
     # A turn ends at eos, or (with an env) where the chat format hands over: <|observation|> (a tool), <|user|>
     stop_ids = tuple(sorted({*model.cfg.eos_token_id, tokenizer.eos_token_id, *(env.turn_ends(tokenizer) if cfg.data.env else ())}))
     sampling = SamplingParams(r.temperature, max_new_tokens=r.max_new_tokens, stop_token_ids=stop_ids)
-    for name, p in model.named_parameters():
-        p.requires_grad_(".indexer." not in name)  # GLM-5 keeps the indexer frozen during RL
+    rl_trainable(model, cfg)  # all but the indexer, which GLM-5 keeps frozen; model.lora: adapters on a frozen base
     learner = parallel_learner(model, model.lm_head.weight.device, t.parallel)  # FSDP swaps in sharded parameters
-    optimizer, g = adamw(cfg, model, cfg.optim.lr, cfg.optim.weight_decay), cfg.grpo
+    optimizer, g = adamw(cfg, model, rl_lr(cfg), cfg.optim.weight_decay), cfg.grpo
     guard = grpo.KLGuard(g.kl_guard_threshold, g.kl_guard_factor, g.kl_guard_window, g.kl_guard)
     stream = data.PromptStream(train_examples[rank()::world()], seed=cfg.seed)  # groups never cross processes
     skips = Skips(cfg.optim.max_skipped_steps, *resumed(resume, "rl", "skipped", (0, 0)))
@@ -346,7 +346,7 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
         stream.load_state_dict(resume["ranks"][rank()]["stream"])
         guard.load_state_dict(resume["kl_guard"])
     gen_dtype = getattr(engine, "dtype", None)
-    engine.update_weights(full_weights(learner, gen_dtype, r.quantization), version)  # the generator starts from these
+    engine.update_weights(full_weights(learner, gen_dtype, r.quantization, base=True), version)  # the generator starts here
     gen = Generator(engine, stream, tokenizer, prompts_per_step=r.prompts_per_step // world(), n=r.n, sampling=sampling,
                     max_staleness=r.max_staleness, dynamic_sampling=r.dynamic_sampling, oversample=r.oversample,
                     chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, env_cls=env_cls,
@@ -467,7 +467,8 @@ def main(argv=None):
     # The engine comes up first, so that a problem with it (SGLang missing, ...) shows before the warm-ups;
     # RL publishes the learner's weights to it before the first rollout.
     try:
-        engine = make_engine(cfg.rollout, ckpt or start, devices[0], dsa=cfg.model.dsa, seed=cfg.seed + 7919 * rank()) \
+        engine = make_engine(cfg.rollout, base_dir(ckpt or start), devices[0], dsa=cfg.model.dsa,
+                             seed=cfg.seed + 7919 * rank(), lora_cfg=cfg.model.lora) \
             if cfg.train.rl_steps > 0 else None
     except (ImportError, ValueError) as e:
         raise ConfigError(str(e)) from None

@@ -17,7 +17,8 @@ from config import ConfigError, load_config
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 GLM9B = os.path.join(ROOT, "configs", "glm9b_math.yaml")
-DICT_KEYS = {"model.init", "model.dsa", "data.eval"}  # free-form mappings, checked by GLMConfig / DSAConfig / eval_sets
+DICT_KEYS = {"model.init", "model.dsa", "model.lora", "data.eval", "data.env_args"}  # free-form mappings, checked by
+# GLMConfig / DSAConfig / LoRAConfig / eval_sets / the env's setup()
 
 
 def write_yaml(tmp_path, text):
@@ -206,6 +207,21 @@ def test_the_tool_recipe_plans_its_longest_trajectory():
     shorter = config.plan_memory(load_config(os.path.join(ROOT, "configs", "glm9b_tool_math.yaml"),
                                              ["rollout.max_total_tokens=8192"]), cfg.train.pairs)
     assert shorter.text(config.H100_BYTES) != text  # the learner's micro-batch follows the trajectory's length
+
+
+def test_lora_settings_are_checked_in_one_line():
+    """model.lora's own keys and values, and the combinations it cannot run, fail at load with one line."""
+    assert load_config(TINY, ["model.lora={rank: 8, lr: 1.0e-4}"]).model.lora == {"rank": 8, "lr": 1.0e-4}
+    for override, message in [("model.lora={rnk: 8}", "model.lora: .*rnk"),
+                              ("model.lora={targets: [indexer]}", "model.lora: .*targets"),
+                              ("model.lora={rank: 0}", "rank must be >= 1")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(TINY, [override])
+    for extra, message in [("rollout.quantization=fp8", "rollout.quantization: fp8 is not supported"),
+                           ("rollout.engine=sglang", "needs rollout.engine: torch"),
+                           ("train.pairs=2", "set train.parallel: ddp")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(TINY, ["model.lora={}", extra, "train.parallel=fsdp"])
 
 
 def test_sglang_engine_on_cpu_fails_before_training(tmp_path):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import checkpoint
+import lora
 import config
 import data
 import dsa
@@ -460,7 +461,7 @@ def without_times(rows):
 
 
 def final_weights(run_dir):
-    return GLM.from_pretrained(checkpoint.checkpoints(run_dir)[-1]).state_dict()
+    return lora.load_model(checkpoint.checkpoints(run_dir)[-1], GLM.from_pretrained).state_dict()  # (LoRA: base + adapters)
 
 
 def assert_same_run(run_dir, reference):
@@ -482,6 +483,30 @@ def test_an_fp8_run_resumes_exactly(sync_run, tmp_path):
     assert_same_run(split, whole)
     gap = lambda run: max(r["train/logp_diff_mean"] for r in metrics(run) if "train/logp_diff_mean" in r)  # noqa: E731
     assert gap(whole) > 1e-3 > 1e-4 > gap(sync_run)
+
+
+def test_a_lora_run_trains_adapters_on_the_frozen_base_and_resumes_exactly(tmp_path):
+    """model.lora: the warm-ups train the whole model, then RL trains adapters on that base, frozen; publishes the
+    adapters alone (the generator's logprobs stay the learner's, ~1e-6), takes the KL to the base with the adapters
+    off, and checkpoints adapters (peft's layout) + state, the base once in run_dir/lora_base. A run stopped after RL
+    step 2 and resumed ends as the uninterrupted one (metrics and weights)."""
+    args = ["model.lora={rank: 4}", "rollout.max_staleness=0", "grpo.kl_coef=0.01", "grpo.entropy_coef=0.01"]  # (moves B
+    # whatever the rewards: the tiny warm-up here solves nothing)
+    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
+    run_train(whole, *args)
+    run_train(split, *args, "train.rl_steps=2")
+    run_train(split, *args, "train.rl_steps=4", resume=True)
+    assert_same_run(split, whole)
+    last, sft_end = checkpoint.checkpoints(whole)[-1], os.path.join(whole, "checkpoints", "step_000006")
+    assert {"adapter_config.json", "adapter_model.safetensors", "state.pt"} <= set(os.listdir(last))
+    assert not any(f.endswith(".safetensors") and f != "adapter_model.safetensors" for f in os.listdir(last))
+    base, warm = GLM.from_pretrained(os.path.join(whole, "lora_base")).state_dict(), GLM.from_pretrained(sft_end).state_dict()
+    final = final_weights(whole)
+    assert all(torch.equal(base[k], warm[k]) and torch.equal(final[k], warm[k]) for k in warm)  # the base never moved
+    assert any(k.endswith(".lora_B") and final[k].abs().sum() > 0 for k in final)  # the adapters did
+    rl = [r for r in metrics(whole) if r["stage"] == "rl" and "train/logp_diff_max" in r]
+    assert rl and all(r["train/logp_diff_max"] < 1e-4 and "train/kl" in r for r in rl)
+    assert max(r["train/grad_norm"] for r in rl) > 0
 
 
 def test_same_seed_runs_are_identical(async_run, tmp_path):
