@@ -565,4 +565,5 @@ def plan_memory(cfg: Config, processes, shared=False):
                        generator_max_len=r.max_prompt_tokens + response_budget(cfg),
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,
-                       dsa_kernels=cfg.model.dsa_kernels, shared=shared, fp8=r.quantization == "fp8")
+                       dsa_kernels=cfg.model.dsa_kernels, shared=shared, fp8=r.quantization == "fp8",
+                       lora=None if cfg.model.lora is None else lora.LoRAConfig(**cfg.model.lora))

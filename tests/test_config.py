@@ -217,6 +217,11 @@ def test_lora_settings_are_checked_in_one_line():
                               ("model.lora={rank: 0}", "rank must be >= 1")]:
         with pytest.raises(ConfigError, match=message):
             load_config(TINY, [override])
+    # the plan of a LoRA learner: a frozen bf16 base and fp32 adapters with their AdamW (DDP fits where full DDP cannot)
+    full = config.plan_memory(load_config(GLM9B, ["train.parallel=ddp"]), 4).text(config.H100_BYTES)
+    with_lora = config.plan_memory(load_config(GLM9B, ["train.parallel=ddp", "model.lora={}"]), 4).text(config.H100_BYTES)
+    assert "does NOT fit" in full.split("generator GPU")[0] and "fits in" in with_lora.split("generator GPU")[0]
+    assert "LoRA adapters rank 32 fp32" in with_lora and "LoRA adapters fp32, rank 32" in with_lora  # both sides
     for extra, message in [("rollout.quantization=fp8", "rollout.quantization: fp8 is not supported"),
                            ("rollout.engine=sglang", "needs rollout.engine: torch"),
                            ("train.pairs=2", "set train.parallel: ddp")]:
