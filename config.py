@@ -451,7 +451,8 @@ def check_config(cfg: Config, where):
              "adapters would decode on a base rounded to e4m3 that the learner never saw); set one of them")
         need(cfg.rollout.engine == "torch", "model.lora needs rollout.engine: torch (the SGLang adapter does not "
              "take adapters)")
-        need(cfg.train.pairs == 1 or cfg.train.parallel == "ddp", "model.lora replicates the frozen base on every "
+        processes = max(cfg.train.pairs, int(os.environ.get("WORLD_SIZE", 1)))  # (torchrun sets WORLD_SIZE)
+        need(processes == 1 or cfg.train.parallel == "ddp", "model.lora replicates the frozen base on every "
              "learner and all-reduces the adapters' gradients: set train.parallel: ddp")
     need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
          f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
@@ -566,4 +567,4 @@ def plan_memory(cfg: Config, processes, shared=False):
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,
                        dsa_kernels=cfg.model.dsa_kernels, shared=shared, fp8=r.quantization == "fp8",
-                       lora=None if cfg.model.lora is None else lora.LoRAConfig(**cfg.model.lora))
+                       lora_cfg=None if cfg.model.lora is None else lora.LoRAConfig(**cfg.model.lora))

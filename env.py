@@ -396,8 +396,8 @@ def run_episodes(engine, episodes, env_cls, tokenizer, sampling: SamplingParams,
     others, and the env's answer comes back as the trajectory's next turn, which extends its parked KV.
     limits.admit_after: when an answer is admitted, in engine iterations after its turn ended
     (rollout.env_admit_after): a number makes runs reproducible (the loop waits for a later answer), None admits
-    each answer as soon as it is there (timing then decides which rows run together). On an engine without sessions, turns run in
-    lockstep (_lockstep; each=True: the env answers each turn as it arrives)."""
+    each answer as soon as it is there (timing then decides which rows run together). On an engine without
+    sessions, turns run in lockstep (_lockstep; each=True: the env answers each turn as it arrives)."""
     name = env_cls.__name__
     try:
         start(episodes, env_cls, tokenizer, limits, chat_template)
@@ -439,7 +439,8 @@ def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopp
             seeds[t, redo] = _seeds(seed, len(episodes), t, redo)
         max_new = min(limits.max_new_tokens, limits.max_total_tokens - len(ep.response))
         key = i if last_turn > 1 else None  # (single-turn: nothing to extend, nothing to park)
-        owner[call.submit(ep.prompt + ep.response, max_new, seeds[t, redo][i], key=key, park=t + 1 < last_turn)] = (i, redo)
+        j = call.submit(ep.prompt + ep.response, max_new, seeds[t, redo][i], key=key, park=t + 1 < last_turn)
+        owner[j] = (i, redo)
 
     with engine.session(sampling, longest, limits.max_new_tokens) as call:
         for i in live:
@@ -457,7 +458,8 @@ def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopp
                     ep = episodes[i]
                     model_turn(ep, c.token_ids, c.logprobs, c.versions)
                     text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                    pending.append((it + (admit_after or 0), i, POOL.submit(ep.env.step, (text,)), c.finish_reason == "length"))
+                    task = POOL.submit(ep.env.step, (text,))
+                    pending.append((it + (admit_after or 0), i, task, c.finish_reason == "length"))
                 if admit_after is not None and pending and not call.busy:
                     it = max(it, pending[0][0])  # nothing to decode: on to the next answer's iteration
                 ANSWERED.clear()  # (before looking: an answer that comes after the look sets it again)

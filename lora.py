@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from dsa import FP32_PARAMS
+
 # Every linear layer of a decoder block; the indexer's (dsa.Indexer) and lm_head are never targets
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -102,10 +104,7 @@ def rl_trainable(model, cfg):
         for name, p in model.named_parameters():
             p.requires_grad_(".indexer." not in name)
         return model
-    if any(hasattr(p, "full_tensor") for p in model.parameters()):
-        raise ValueError("model.lora: the learner is sharded (FSDP); LoRA replicates the base: train.parallel: ddp")
     if model.lm_head.weight.device.type == "cuda":  # the base in bf16 (the indexer's fp32 islands kept)
-        from dsa import FP32_PARAMS
         for name, p in model.named_parameters():
             if not name.endswith((".lora_A", ".lora_B") + FP32_PARAMS):
                 p.data = p.data.to(torch.bfloat16)
@@ -157,10 +156,17 @@ def merged_weight(m: LoRALinear, dtype=torch.float32):
     return (m.weight.float() + m.lora_scale * m.lora_B.float() @ m.lora_A.float()).to(dtype)
 
 
+PEFT_PREFIX = "base_model.model.model."  # peft's PeftModel > Glm4ForCausalLM > Glm4Model
+
+
 def peft_name(name: str) -> str:
     """Our adapter name (layers.0.self_attn.q_proj.lora_A) -> peft's key on Glm4ForCausalLM."""
-    module, which = name.rsplit(".", 1)
-    return f"base_model.model.model.{module}.{which}.weight"
+    return PEFT_PREFIX + name + ".weight"
+
+
+def our_adapter_name(key: str) -> str:
+    """peft's key -> our adapter name (peft_name's inverse)."""
+    return key.removeprefix(PEFT_PREFIX).removesuffix(".weight")
 
 
 def write_adapters(model, folder, base_model: str | None = None):
@@ -211,9 +217,7 @@ def load_model(path, load):
         c = json.load(f)
     model = load(base_dir(path))
     add(model, LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], targets=tuple(c["target_modules"])))
-    ours = {n.removeprefix("base_model.model.model.").replace(".lora_A.weight", ".lora_A").replace(".lora_B.weight", ".lora_B"): t
-            for n, t in load_file(os.path.join(path, ADAPTERS)).items()}
-    load_adapters(model, ours)
+    load_adapters(model, {our_adapter_name(k): t for k, t in load_file(os.path.join(path, ADAPTERS)).items()})
     return model
 
 

@@ -12,6 +12,7 @@ import torch
 
 import dsa
 import dsa_triton
+import lora
 from dsa import FP32_PARAMS
 from engine import PREFILL_TOKENS
 from fp8 import weight_bytes as fp8_weight_bytes
@@ -151,7 +152,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                 generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
                 kv_cache_tokens: int | None = None, cuda_graphs: bool = False, prefill_tokens: int = PREFILL_TOKENS, group_size: int = 1,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
-                dsa_kernels: bool = True, shared: bool = False, fp8: bool = False, lora=None) -> MemoryPlan:
+                dsa_kernels: bool = True, shared: bool = False, fp8: bool = False, lora_cfg=None) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
     up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
@@ -161,7 +162,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     keeps for backward instead of recomputing them (config.LOGIT_KEEP_BYTES). dsa_kernels: DSA and the sampler run
     dsa_triton's kernels (dsa.USE_TRITON). shared: the generator and the learner share one GPU (their sum must fit).
     fp8: the generator's decoder linears are block-wise e4m3 (rollout.quantization; fp8.weight_bytes).
-    lora: model.lora's lora.LoRAConfig (None: none): RL's learner holds a frozen bf16 base and fp32 adapters with
+    lora_cfg: model.lora's lora.LoRAConfig (None: none): RL's learner holds a frozen bf16 base and fp32 adapters with
     their gradients and AdamW state (the warm-up stages, if any, train the whole model: plan them without it), and
     the generator fp32 adapters beside its weights.
     Beside each step-time peak, the load-time one: the weights as model.GLM.from_pretrained allocates them."""
@@ -208,12 +209,12 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # and, in backward, their gradients: 5.5 fp32 [c, V] at the peak (measured on CPU).
     logits = (f"logits of a chunk fp32 [{min(logit_chunk, T)}, vocab] x5.5", int(5.5 * min(logit_chunk, T) * V * 4))
 
-    adapters = 0 if lora is None else sum(  # r x (in + out) per targeted decoder linear
-        lora.rank * (p.shape[0] + p.shape[1]) for n, p in named.items() if n.startswith("layers.")
-        and ".indexer." not in n and n.endswith(".weight") and n.split(".")[-2] in lora.targets)
-    if lora is not None:  # LoRA (config refuses FSDP across processes): a frozen bf16 base, replicated; fp32 adapters
+    adapters = 0
+    if lora_cfg is not None:  # LoRA (config refuses FSDP across processes): a frozen bf16 base, replicated; fp32 adapters
+        with torch.device("meta"):  # counted on a meta model with lora.py's own adapters
+            adapters = sum(p.numel() for _, p in lora.adapter_named(lora.add(GLM(cfg), lora_cfg)))
         learner = [("bf16 frozen base (indexer fp32 islands); the KL reference is it, adapters off", 2 * P + 2 * P32),
-                   (f"LoRA adapters rank {lora.rank} fp32: weights, grads, DDP buckets, AdamW", 20 * adapters)]
+                   (f"LoRA adapters rank {lora_cfg.rank} fp32: weights, grads, DDP buckets, AdamW", 20 * adapters)]
         transients = [logits, one_block]
     elif parallel == "fsdp":  # FSDP2: fully_shard per decoder layer + root; bf16 params, fp32 reduce
         learner = [(f"fp32 master weights (1/{N})", 4 * P // N), (f"fp32 grads, trainable (1/{N})", 4 * Pt // N),
@@ -279,8 +280,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                        "bf16 weights (indexer weights_proj, k_norm fp32)"), weights),
                      (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
                      (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
-        if lora is not None:
-            generator.append((f"LoRA adapters fp32, rank {lora.rank}", 4 * adapters))
+        if lora_cfg is not None:
+            generator.append((f"LoRA adapters fp32, rank {lora_cfg.rank}", 4 * adapters))
         forward = 2 * B * V + 2 * B * (h + 2 * I) + dsa_decode
         if cuda_graphs:  # the graphs' pool holds the largest bucket's forward for good (captured first, the others
             # reuse its memory); static buffers beside it. A capture's eager warm-up still runs beside the pool.

@@ -209,7 +209,7 @@ def test_the_tool_recipe_plans_its_longest_trajectory():
     assert shorter.text(config.H100_BYTES) != text  # the learner's micro-batch follows the trajectory's length
 
 
-def test_lora_settings_are_checked_in_one_line():
+def test_lora_settings_are_checked_in_one_line(monkeypatch):
     """model.lora's own keys and values, and the combinations it cannot run, fail at load with one line."""
     assert load_config(TINY, ["model.lora={rank: 8, lr: 1.0e-4}"]).model.lora == {"rank": 8, "lr": 1.0e-4}
     for override, message in [("model.lora={rnk: 8}", "model.lora: .*rnk"),
@@ -227,6 +227,9 @@ def test_lora_settings_are_checked_in_one_line():
                            ("train.pairs=2", "set train.parallel: ddp")]:
         with pytest.raises(ConfigError, match=message):
             load_config(TINY, ["model.lora={}", extra, "train.parallel=fsdp"])
+    monkeypatch.setenv("WORLD_SIZE", "2")  # started by torchrun: as many processes, whatever train.pairs says
+    with pytest.raises(ConfigError, match="set train.parallel: ddp"):
+        load_config(TINY, ["model.lora={}", "train.parallel=fsdp"])
 
 
 def test_sglang_engine_on_cpu_fails_before_training(tmp_path):

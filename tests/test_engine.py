@@ -825,22 +825,12 @@ def test_sglang_session_drives_episodes_by_token_ids(tmp_path, fake_sglang):
     assert got == {0: Completion([10, 11, 12], [-0.5] * 3, "stop", (0, 0)), 1: Completion([21, 22, 23], [-0.5] * 3, "length", (0, 0))}
     assert [s["sampling_seed"] for s in fake.seen] == [5, 6]
 
-    class Echo:  # two turns: the env answers the first with an observation
-        def __init__(self, example):
-            self.example, self.turns = example, 0
-
-        def reset(self):
-            return [{"role": "user", "content": self.example["prompt"]}]
-
-        def step(self, text):
-            self.turns += 1
-            return ([{"role": "observation", "content": "ok"}], 0.0, False) if self.turns < 2 else ([], 1.0, True)
-
     from data import make_tiny_tokenizer
     tok = make_tiny_tokenizer(tools=True)
-    eps = [env.Episode({"prompt": "1+1="}, 0)]
+    from test_env import Scripted  # an observation after each turn but the last
+    eps = [env.Episode({"prompt": "1+1=", "turns": 2}, 0)]
     sp = SamplingParams(max_new_tokens=8, stop_token_ids=(10,))  # the fake counts up from the context's last id
-    ends = list(env.run_episodes(engine, eps, Echo, tok, sp, env.Limits(8, 40, 3), seed=0))
+    ends = list(env.run_episodes(engine, eps, Scripted, tok, sp, env.Limits(8, 60, 3), seed=0))
     assert [i for i, _ in ends] == [0] and eps[0].turns == 2 and eps[0].failure is None and eps[0].reward == 1.0
     assert eps[0].response[:5] == [6, 7, 8, 9, 10]  # the first turn, through its stop token
 
