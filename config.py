@@ -12,7 +12,7 @@ import json
 import math
 import os
 import typing
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 
 import yaml
 from transformers import AutoTokenizer
@@ -22,7 +22,7 @@ import grpo
 import hub
 import lora
 from grpo import GRPOConfig
-from memory import memory_plan
+from memory import GiB, memory_plan
 from model import GLMConfig
 from rollout import TRUNCATED
 
@@ -180,6 +180,12 @@ class TrainConfig:
     parallel: str = "fsdp"  # how the learners share the work: fsdp (sharded weights, grads, AdamW) or ddp (replicas)
     learner_device: str | None = None  # null: cuda:r+G for process r of G (cuda:0 with one GPU), cpu without GPUs
     generator_device: str | None = None  # null: cuda:r, cpu without GPUs; set both only with pairs: 1
+    # Co-located (colocate.py): each process's one GPU generates, then trains, in turn (pairs = GPUs); synchronous
+    # (rollout.max_staleness: 0). The split layout (false) gives each process a generator GPU and a learner GPU
+    colocate: bool = False
+    # colocate only: move the learner's fp32 masters and AdamW state to pinned host memory while the engine
+    # generates. null: when the memory plan says they do not fit beside the generator (always on a CPU)
+    offload: bool | None = None
 
 
 @dataclass
@@ -213,7 +219,7 @@ REMOVED = {
 SAFE_ON_RESUME = {
     "run_dir", "train.rl_steps", "train.eval_every", "train.eval_n", "train.eval_max_new_tokens", "train.wandb_project",
     "train.eval_temperature", "train.eval_greedy", "train.save_every", "train.keep_checkpoints",
-    "train.learner_device", "train.generator_device", "data.eval", "data.eval_size", "rollout.max_batch",
+    "train.learner_device", "train.generator_device", "train.colocate", "train.offload", "data.eval", "data.eval_size", "rollout.max_batch",
     "rollout.kv_cache_tokens", "rollout.cuda_graphs", "rollout.dump_fraction",
     "rollout.sglang_mem_fraction", "optim.max_tokens_per_micro_batch", "optim.max_skipped_steps",
     "model.gradient_checkpointing", "model.dsa_kernels",
@@ -454,6 +460,15 @@ def check_config(cfg: Config, where):
         processes = max(cfg.train.pairs, int(os.environ.get("WORLD_SIZE", 1)))  # (torchrun sets WORLD_SIZE)
         need(processes == 1 or cfg.train.parallel == "ddp", "model.lora replicates the frozen base on every "
              "learner and all-reduces the adapters' gradients: set train.parallel: ddp")
+    if cfg.train.colocate:
+        need(cfg.rollout.max_staleness == 0 and not cfg.rollout.partial_rollout, "train.colocate is synchronous: one "
+             "GPU generates, then trains; set rollout.max_staleness: 0 and rollout.partial_rollout: false")
+        need(cfg.rollout.engine == "torch", "train.colocate needs rollout.engine: torch (SGLang's memory release "
+             "and resume are not wired to the handoff)")
+        need(cfg.train.generator_device == cfg.train.learner_device, "train.colocate runs both halves on one device: "
+             "set train.generator_device and train.learner_device alike (or both null)")
+    else:
+        need(cfg.train.offload is None, "train.offload is for train.colocate: true (the split layout moves nothing)")
     need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
          f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
     need(cfg.grpo.surrogate != "dis" or (cfg.grpo.icepop_beta is None and cfg.grpo.tis_cap is None),
@@ -541,20 +556,44 @@ def architecture(cfg: Config) -> GLMConfig:
 def check_memory(cfg: Config, processes, gpu_bytes=None, title=None, shared=None):
     """The memory plan against GPUs of gpu_bytes (None: H100s). title (--dry-run): print the plan first. shared:
     the generator and the learner share one GPU (None: when train.generator_device and learner_device name the
-    same one), so their sum must fit. One ConfigError line naming what does not fit and the fixes."""
-    t = cfg.train
-    shared = shared if shared is not None else t.generator_device is not None and t.generator_device == t.learner_device
-    plan, gpu = plan_memory(cfg, processes, shared), gpu_bytes or H100_BYTES
+    same one), so their sum must fit; co-located, each phase must (colocate.py). One ConfigError line naming what
+    does not fit and the fixes."""
+    t, gpu = cfg.train, gpu_bytes or H100_BYTES
+    shared = not t.colocate and (shared if shared is not None else t.generator_device is not None
+                                 and t.generator_device == t.learner_device)
+    plan = plan_memory(cfg, processes, shared, offload=colocate_offload(cfg, processes, gpu))
     if title is not None:
-        layout = "the generator and the learner on one GPU" if shared else f"{processes} generator/learner GPU pairs"
+        layout = (f"{processes} co-located GPU(s)" if t.colocate else "the generator and the learner on one GPU" if shared
+                  else f"{processes} generator/learner GPU pairs")
         print(f"{title}: {layout}, learners in {cfg.train.parallel}, on H100s\n{plan.text(gpu)}", flush=True)
+        if t.colocate:  # the same recipe on a machine of 8: all 8 generate, then all 8 train
+            print("the same recipe on 8 co-located H100s (all generate, then all train); peak per phase, GiB:")
+            for what, c in (("with model.lora, ddp", replace(cfg, train=replace(t, parallel="ddp"))),
+                            ("without LoRA, fsdp", replace(cfg, model=replace(cfg.model, lora=None),
+                                                          train=replace(t, parallel="fsdp")))):
+                p8 = plan_memory(c, 8, offload=colocate_offload(c, 8, gpu))
+                print(f"  {what:<22}" + "  ".join(f"{ph.split(':')[0]} {b / GiB:.1f}" for ph, _, b in p8.phases())
+                      + (f"  (learner state offloaded: {p8.settings['pinned_host'] / GiB:.1f} GiB pinned per GPU)"
+                         if p8.settings["pinned_host"] else "  (learner state kept)"))
     if plan.problems(gpu):
         raise ConfigError(("does not fit on H100s: " if gpu_bytes is None else "this config does not fit: ")
                           + "; ".join(plan.problems(gpu)) + ("" if gpu_bytes is None else " (see --dry-run)"))
 
 
-def plan_memory(cfg: Config, processes, shared=False):
-    """The per-GPU memory plan of this config with `processes` generator/learner pairs in all (shared: on one GPU)."""
+def colocate_offload(cfg: Config, processes, gpu_bytes=None) -> bool:
+    """train.offload, or (null) whether the learner's state must leave the GPU while the engine generates: when
+    the co-located plan with it kept does not fit in gpu_bytes (None: a CPU, where it always leaves, so the path
+    a GPU takes runs under test)."""
+    if cfg.train.offload is not None or not cfg.train.colocate:
+        return bool(cfg.train.offload)
+    if gpu_bytes is None:
+        return True
+    return max(b for _, _, b in plan_memory(cfg, processes, offload=False).phases()) > gpu_bytes
+
+
+def plan_memory(cfg: Config, processes, shared=False, offload=True):
+    """The per-GPU memory plan of this config with `processes` generator/learner pairs in all (shared: on one GPU;
+    train.colocate: `processes` GPUs, each both in turn, offload: the learner's state leaving it while it generates)."""
     r, g, t = cfg.rollout, cfg.grpo, cfg.train
     return memory_plan(architecture(cfg), learner_gpus=processes, parallel=t.parallel,
                        # a sequence longer than the micro-batch budget is a micro-batch of its own (data.pack_by_tokens)
@@ -567,4 +606,5 @@ def plan_memory(cfg: Config, processes, shared=False):
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,
                        dsa_kernels=cfg.model.dsa_kernels, shared=shared, fp8=r.quantization == "fp8",
-                       lora_cfg=None if cfg.model.lora is None else lora.LoRAConfig(**cfg.model.lora))
+                       lora_cfg=None if cfg.model.lora is None else lora.LoRAConfig(**cfg.model.lora),
+                       colocate=cfg.train.colocate, offload=offload)

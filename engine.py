@@ -209,6 +209,7 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.pool = None  # the PagedKVCache, made by the first call that needs it
+        self.shared, self.released = set(), {}  # weights that are the learner's tensors; weights whose memory is out
         self.stats = {"iterations": 0, "prefills": 0, "prefill_tokens": 0, "retracted": 0,  # for tests and benchmarks
                       "graph_steps": 0, "parked": 0, "evicted": 0, "extends": 0, "extend_tokens": 0,
                       "decode_steps": 0, "decode_rows": 0}
@@ -295,11 +296,13 @@ class TorchEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors, version: int):
         """Copy new weights in place (names as in model.named_parameters()); takes effect at the next
-        forward of the call in flight."""
+        forward of the call in flight. A released weight (release) gets its memory back first."""
         with self.lock:
             for name, t in named_tensors:
                 if name not in self._params:
                     raise KeyError(f"update_weights: unknown parameter {name}")
+                if name in self.released:
+                    self._params[name].untyped_storage().resize_(self.released.pop(name))
                 if (self._params[name].dtype == fp8.FP8) != (t.dtype == fp8.FP8):  # a cast would drop the block scales
                     raise TypeError(f"update_weights: {name} is {t.dtype} but the engine holds {self._params[name].dtype} "
                                     "(publish through parallel.full_weights(..., quantization) to match rollout.quantization)")
@@ -307,6 +310,30 @@ class TorchEngine:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.version = version
+
+    def share(self, named_tensors):
+        """Make these weights the given tensors themselves, not copies: LoRA's frozen base, which the learner
+        holds on the same device (train.py). Publishes never carry them, and release() keeps them."""
+        with self.lock:
+            for name, t in named_tensors:
+                p = self._params[name]
+                if (p.shape, p.dtype, p.device) != (t.shape, t.dtype, t.device):
+                    raise ValueError(f"cannot share {name}: the engine holds {p.dtype} {tuple(p.shape)} on {p.device}, "
+                                     f"the learner {t.dtype} {tuple(t.shape)} on {t.device}")
+                p.data = t.detach()
+                self.shared.add(name)
+
+    def release(self):
+        """Co-located mode (colocate.py): give the memory back while the learner steps. The KV pool and the CUDA
+        graphs, which bake in its addresses (the next call makes a new pool and captures new graphs), and every
+        weight not shared with the learner: its storage shrinks to nothing, and the next update_weights must
+        bring it back (the learner publishes in full after a co-located step). A running call ends first."""
+        with self.call_lock, self.lock:
+            self.pool = self.graphs = None
+            for name, p in self._params.items():
+                if name not in self.shared and name not in self.released:
+                    self.released[name] = p.untyped_storage().nbytes()
+                    p.untyped_storage().resize_(0)
 
     def abort(self):
         """Make in-flight calls return now (finish_reason "abort"); clear with resume()."""
@@ -318,6 +345,8 @@ class TorchEngine:
     # ------------------------------------------------------------------------- a call's state
 
     def _open(self, sampling, longest, width):
+        if self.released:  # a bug, not a run's state: reading a released weight would read freed memory
+            raise RuntimeError(f"the engine's weights were released and not all published back: {next(iter(self.released))}")
         self.sampling, self.waiting, self.landing, self.finished = sampling, collections.deque(), [], []
         self.kv_version = self.version  # the weights the running rows' KV was computed with (reprefill)
         self.longest, self.submitted = longest, 0

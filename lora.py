@@ -113,6 +113,15 @@ def rl_trainable(model, cfg):
     return model
 
 
+def share_base(engine, model) -> bool:
+    """A generator on the learner's device decodes on the learner's frozen base itself, not on a copy
+    (engine.share; its own copy is freed). True if it does: then even the first publish carries the adapters only."""
+    if not hasattr(model, "lora") or getattr(engine, "device", None) != model.lm_head.weight.device:
+        return False
+    engine.share((n, p) for n, p in model.named_parameters() if not n.endswith((".lora_A", ".lora_B")))
+    return True
+
+
 def rl_lr(cfg):
     """RL's learning rate: optim.lr, or with model.lora its lr (null: 10x optim.lr, LoRA Without Regret's ratio)."""
     if cfg.model.lora is None:

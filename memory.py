@@ -68,6 +68,15 @@ class MemoryPlan:
             if loading:
                 what = "weights" + (" + KL reference" if any("reference" in i for i, _ in loading) else "")
                 out.append(f"  {f'total at the load-time peak ({what}, one tensor in flight)':<70} {load / GiB:6.2f}")
+        if s.get("colocate"):
+            out.append("co-located (train.colocate): one GPU, the two halves in turn; its peak is the largest phase's")
+            for phase, items, total in self.phases():
+                out.append(f"  {phase:<96} {total / GiB:6.2f}")
+                out += [f"      {item:<92} {b / GiB:6.2f}" for item, b in items]
+            peak = max(total for _, _, total in self.phases())
+            out.append(f"  {'peak':<96} {peak / GiB:6.2f}  {'fits' if peak <= gpu_bytes else 'does NOT fit'} in "
+                       f"{gpu_bytes / GiB:.1f} GiB" + (f"; pinned host memory per process {s['pinned_host'] / GiB:.2f} GiB"
+                                                       if s["pinned_host"] else ""))
         if s.get("shared"):
             both = self.learner_bytes() + self.generator_bytes() - OVERHEAD
             out.append(f"one GPU for both: {both / GiB:.2f} GiB of {gpu_bytes / GiB:.1f} (generator, learner, one CUDA context)"
@@ -88,8 +97,19 @@ class MemoryPlan:
                        f"if short); CUDA graphs and activations use the other {1 - s['sglang_mem_fraction']:.0%}, not modelled")
         return "\n".join(out)
 
+    def phases(self) -> list[tuple[str, list, int]]:
+        """Co-located: (phase, items, bytes) of each phase of a step (memory_plan's colocate)."""
+        return [(phase, items, sum(b for _, b in items)) for phase, items in self.settings.get("phases", [])]
+
     def problems(self, gpu_bytes) -> list[str]:
         s, out = self.settings, []
+        if s.get("colocate"):
+            phase, _, need = max(self.phases(), key=lambda p: p[2])
+            fix = ["model.lora (a frozen bf16 base shared with the engine, adapters alone train)"] if not s["lora"] else []
+            fix += ["train.offload: true"] if not s["offload"] else []
+            fix += ["a smaller rollout.kv_cache_tokens or rollout.max_batch", "optim.max_tokens_per_micro_batch"]
+            return [f"co-located, the {phase.split(':')[0]} phase needs {need / GiB:.1f} GiB of {gpu_bytes / GiB:.1f}: "
+                    + "; ".join(fix)] if need > gpu_bytes else []
         (lt, _, lneed, lgpu, lload), (gt, _, gneed, gpool, gload) = self._gpus(gpu_bytes)
         lneed, gneed = max(lneed, lload), max(gneed, gload)
         if s.get("shared") and lneed > lgpu:  # one line: what to lower, with the sizes that say which side to lower
@@ -152,7 +172,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                 generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
                 kv_cache_tokens: int | None = None, cuda_graphs: bool = False, prefill_tokens: int = PREFILL_TOKENS, group_size: int = 1,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
-                dsa_kernels: bool = True, shared: bool = False, fp8: bool = False, lora_cfg=None) -> MemoryPlan:
+                dsa_kernels: bool = True, shared: bool = False, fp8: bool = False, lora_cfg=None,
+                colocate: bool = False, offload: bool = True) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
     up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
@@ -165,6 +186,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     lora_cfg: model.lora's lora.LoRAConfig (None: none): RL's learner holds a frozen bf16 base and fp32 adapters with
     their gradients and AdamW state (the warm-up stages, if any, train the whole model: plan them without it), and
     the generator fp32 adapters beside its weights.
+    colocate: one GPU per process for both halves in turn (colocate.py); the plan's phases (colocate_phases) are what
+    must fit. offload: the learner's fp32 masters and AdamW state leave the GPU while the engine generates.
     Beside each step-time peak, the load-time one: the weights as model.GLM.from_pretrained allocates them."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
@@ -296,14 +319,36 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # gathered fp32 tensor at a time on the GPU, then loaded as bf16 shards.
     big, shards = max(p.numel() for p in named.values()), N if parallel == "fsdp" else 1
     part = f" (1/{N})" if shards > 1 else ""
-    learner_load = [(f"fp32 weights{part}", 4 * P // shards), ("one tensor's rows copied in", 4 * big // shards)]
-    if reference:
+    # LoRA without warm-up stages: the base loads in bf16 on a GPU (it never trains); else in fp32, cast to bf16 at RL
+    w = 2 if lora_cfg is not None and not trainable_indexer else 4
+    learner_load = [(f"{'bf16' if w == 2 else 'fp32'} weights{part}", w * P // shards), ("one tensor's rows copied in", w * big // shards)]
+    if reference and lora_cfg is None:  # (with LoRA the reference is the base, adapters off: nothing to load)
         learner_load = [(f"fp32 weights{part}", 4 * P // shards), (f"reference bf16{part}", (2 * P + 2 * P32) // shards),
                         ("saving the reference: one gathered fp32 tensor", 4 * big)]
     learner_load.append(("CUDA context, NCCL, fragmentation", OVERHEAD))
     generator_load = [] if engine == "sglang" else [("bf16 weights", 2 * P + 2 * P32), ("one tensor copied in", 2 * big),
                                                     ("CUDA context, fragmentation", OVERHEAD)]
-    settings = dict(fp8_saved=2 * P + 2 * P32 - weights, shared=shared, learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
+    settings = {}
+    if colocate:
+        resident = 12 * adapters if lora_cfg is not None else 4 * P // shards + 8 * Pt // shards  # masters + AdamW
+        buckets = (4 * adapters if N > 1 else 0) if lora_cfg is not None else 4 * Pt if parallel == "ddp" else 0
+        stays = [("frozen bf16 base, the engine's weights too (shared)", 2 * P + 2 * P32)] if lora_cfg is not None else []
+        stays += [(f"KL reference bf16{part}", (2 * P + 2 * P32) // shards)] if reference and lora_cfg is None else []
+        stays += [("DDP gradient buckets (kept)", buckets)] if buckets else []
+        state = [(f"learner's fp32 masters + AdamW{part}" + ("" if lora_cfg is None else " (adapters)"), resident)]
+        engine_own = generator[1:] if lora_cfg is not None else generator  # LoRA: the weights are the base above
+        largest = 4 * max(p.numel() for p in named.values())  # a checkpoint gathers one fp32 tensor at a time
+        settings["phases"] = [
+            ("load: the learner's weights, then the engine's", learner_load + generator_load[:-1]),
+            ("generate: the engine, and what stays of the learner" + (" (its state offloaded)" if offload else ""),
+             engine_own + stays + ([] if offload else state)),
+            ("train: the learner's step (the engine's KV pool and unshared weights released)", learner),
+            ("checkpoint: the learner's state back beside the engine's weights (its KV pool released)",
+             ([] if lora_cfg is not None else generator[:1]) + stays + state
+             + [("one gathered fp32 tensor", largest), ("CUDA context, NCCL, fragmentation", OVERHEAD)])]
+        settings["pinned_host"] = sum(b for _, b in state) if offload else 0
+    settings |= dict(fp8_saved=2 * P + 2 * P32 - weights, shared=shared, colocate=colocate, lora=lora_cfg is not None,
+                     offload=offload, learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,
                     reference=reference, engine=engine, sglang_mem_fraction=sglang_mem_fraction, dsa=cfg.dsa is not None,
                     generator_batch=B, generator_max_len=S, kv_token=kv_token, kv_cache_tokens=T, cuda_graphs=cuda_graphs)
     return MemoryPlan(P, learner, generator, settings, learner_load, generator_load)

@@ -71,10 +71,15 @@ def local_layout():
 
 def pair_devices(cfg):
     """(generator device, learner device): cuda:r and cuda:r+G for process r of G on a machine with
-    2G GPUs; one GPU shared by both in a single process on a one-GPU machine; cpu without GPUs."""
+    2G GPUs; one GPU shared by both in a single process on a one-GPU machine; cpu without GPUs.
+    Co-located (train.colocate): cuda:r for both, G GPUs for G processes."""
     r, G = local_layout()
     n = torch.cuda.device_count()
     explicit = cfg.train.generator_device, cfg.train.learner_device
+    if cfg.train.colocate and not any(explicit) and n:
+        if n < G:
+            raise ConfigError(f"{G} co-located processes on this machine need {G} GPUs, found {n}")
+        return torch.device(f"cuda:{r}"), torch.device(f"cuda:{r}")
     if any(explicit):
         if G > 1:
             raise ConfigError("train.generator_device / learner_device name one device: set them to null when "

@@ -94,7 +94,7 @@ class RolloutBatch:
 
 class Generator:
     """Runs the generation loop in a background thread and hands RolloutBatches to the learner.
-    The staleness gate compares batch numbers with engine.version, so before start() the engine must
+    The staleness gate compares batch numbers with the published version, so before start() the engine must
     hold the learner's weights and version (engine.update_weights(weights, version)); first_index is
     that version on resume, and `ready` the batches a checkpoint kept (sampled before it was taken).
     Do not evaluate on the engine while stop() runs: it aborts in-flight work. The gate and when weights
@@ -128,6 +128,7 @@ class Generator:
         for batch in ready:
             self.queue.put(batch)
         self.index = first_index + len(ready)  # next batch to produce
+        self.version = engine.version  # the gate's version: the last publish's (the engine's own may run ahead: colocate)
         self.gate = threading.Condition()
         self.stopping = threading.Event()
         self.error = None
@@ -149,13 +150,16 @@ class Generator:
         self.engine.resume()
 
     def publish(self, named_tensors, version: int):
-        """Called by the learner after each optimizer step: new weights, and the gate opens."""
+        """Called by the learner after each optimizer step: new weights, and the gate opens. Co-located
+        (colocate.py), the learner has put them in the engine itself and publishes none: the gate opens once
+        its state has left the device."""
         with self.gate:
             while not (self.partial_rollout or self.index >= version + self.max_staleness or self.stopping.is_set()
                        or self.error is not None or not self.thread.is_alive()):
                 self.gate.wait(0.1)
         self.engine.update_weights(named_tensors, version)
         with self.gate:
+            self.version = version
             self.gate.notify_all()
 
     def get(self, timeout: float | None = None) -> RolloutBatch:
@@ -189,7 +193,7 @@ class Generator:
             while not self.stopping.is_set():
                 t0 = time.perf_counter()
                 with self.gate:  # bounded staleness: wait for version >= index - max_staleness
-                    while self.engine.version < self.index - self.max_staleness and not self.stopping.is_set():
+                    while self.version < self.index - self.max_staleness and not self.stopping.is_set():
                         self.gate.wait(0.1)
                 self.waited += time.perf_counter() - t0
                 if self.stopping.is_set():

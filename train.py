@@ -45,13 +45,14 @@ import grpo
 import hub
 from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, reference_model, run_main,
                         save_checkpoint, seed_all, set_rng_state, starting_point)
+import colocate
 from config import (LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config, ConfigError, architecture, check_memory, check_paths, eval_sets,
                     load_config, load_run_config, save_config)
 from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy_rows, full_weights, global_sum,
                       init_processes, launch, learner_backward, load_learner, micro_batches, once_per_machine,
                       optimizer_step, pair_devices, parallel_learner, rank, set_threads, unwrap, world)
 from engine import SamplingParams, make_engine
-from lora import base_dir, rl_lr, rl_trainable
+from lora import base_dir, rl_lr, rl_trainable, share_base
 from rollout import Generator, evaluate
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_cpu.yaml")
@@ -345,8 +346,10 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
         set_optimizer_state_dict(learner, optimizer, resume["optimizer"], options=StateDictOptions(full_state_dict=True))
         stream.load_state_dict(resume["ranks"][rank()]["stream"])
         guard.load_state_dict(resume["kl_guard"])
-    gen_dtype = getattr(engine, "dtype", None)
-    engine.update_weights(full_weights(learner, gen_dtype, r.quantization, base=True), version)  # the generator starts here
+    gen_dtype, shared = getattr(engine, "dtype", None), share_base(engine, model)  # LoRA: one base on one device
+    engine.update_weights(full_weights(learner, gen_dtype, r.quantization, base=not shared), version)  # the generator starts here
+    hand = colocate.handoff(cfg, engine, learner, optimizer, model.lm_head.weight.device, world())  # split: moves nothing
+    hand.to_generator()  # co-located (colocate.py): the engine has the GPU while it generates, the learner while it trains
     gen = Generator(engine, stream, tokenizer, prompts_per_step=r.prompts_per_step // world(), n=r.n, sampling=sampling,
                     max_staleness=r.max_staleness, dynamic_sampling=r.dynamic_sampling, oversample=r.oversample,
                     chat_template=r.chat_template, max_prompt_tokens=r.max_prompt_tokens, env_cls=env_cls,
@@ -362,21 +365,25 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
             t0 = time.perf_counter()
             batch = gen.get()
             wait = time.perf_counter() - t0
+            hand.to_learner()
             assert batch.index == version, f"generator sent batch {batch.index} to learner step {version}"
             m = rl_step(cfg, learner, ref_model, optimizer, guard, batch, version)
             version += 1
             skips.update("rl", version, m)
             t1 = time.perf_counter()
-            # FSDP: gathered tensor by tensor. A skipped step publishes no weights, only the version number.
-            weights = () if m.get("train/skipped") else full_weights(learner, gen_dtype, r.quantization)
+            # FSDP: gathered tensor by tensor. A skipped step publishes no weights, only the version number
+            # (co-located, the engine's weights were released: they always come back).
+            weights = () if m.get("train/skipped") and not t.colocate else full_weights(learner, gen_dtype, r.quantization)
             if version == t.rl_steps:  # the last weights go to the engine for the final eval only
                 gen.stop()
+            if version == t.rl_steps or t.colocate:  # co-located: the gate opens after eval and checkpoint, below
                 engine.update_weights(weights, version)
+                hand.to_generator()
             else:
                 gen.publish(weights, version)
             step_s = time.perf_counter() - t0
-            m |= batch.metrics | {"perf/learner_wait_s": wait, "perf/step_s": step_s, "perf/publish_s": time.perf_counter() - t1,
-                                  "perf/tokens_per_s": m.get("train/tokens", 0) / step_s, "perf/generator_idle": gen.idle_fraction()}
+            m |= batch.metrics | hand.stats | {"perf/learner_wait_s": wait, "perf/step_s": step_s, "perf/publish_s": time.perf_counter() - t1,
+                                               "perf/tokens_per_s": m.get("train/tokens", 0) / step_s, "perf/generator_idle": gen.idle_fraction()}
             m = combine_ranks(m)
             if version == t.rl_steps or (t.eval_every and version % t.eval_every == 0):
                 m |= run_eval(cfg, engine, tokenizer, sets, stop_ids, env_cls)
@@ -387,11 +394,14 @@ def train_rl(cfg: Config, model, engine, ref_model, tokenizer, train_examples, s
             stop = preempt.requested()
             if version % t.save_every == 0 or version == t.rl_steps or stop:
                 pending = gen.pending(version)  # what the next steps train on: sampled by weights older than these
-                save_checkpoint(cfg, learner, tokenizer, "rl", version, optimizer,
-                                {"stream": (pending[-1] if pending else batch).stream_state, "pending": pending},
-                                kl_guard=guard.state_dict(), skipped=skips.state())
+                with hand.resident():  # (co-located: the learner's state comes back for it)
+                    save_checkpoint(cfg, learner, tokenizer, "rl", version, optimizer,
+                                    {"stream": (pending[-1] if pending else batch).stream_state, "pending": pending},
+                                    kl_guard=guard.state_dict(), skipped=skips.state())
             if stop:
                 raise Preempted(preempt.signum, cfg.run_dir, f"rl step {version}")
+            if t.colocate and version < t.rl_steps:
+                gen.publish((), version)  # co-located: the engine's turn (its weights are in already)
     finally:
         gen.stop()  # also on an error or a signal: the thread must not outlive the loop
         bar.close()

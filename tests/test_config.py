@@ -184,16 +184,64 @@ def test_glm9b_recipe_numbers():
     assert (t.eval_every, t.eval_n, t.eval_max_new_tokens) == (20, 16, 16384)
 
 
-def test_dry_run_prints_the_9b_memory_plan():
-    p = subprocess.run([sys.executable, "train.py", "--config", GLM9B, "--dry-run"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    assert "9.40B parameters" in p.stdout and "learner GPU (fsdp over 4)" in p.stdout
-    assert p.stdout.count("fits in 74.5 GiB") == 2  # learner and generator
-    p = subprocess.run([sys.executable, "train.py", "--config", GLM9B, "--dry-run", "train.parallel=ddp"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "does NOT fit" in p.stdout
-    assert p.stderr.startswith("error: does not fit on H100s: learner GPU (ddp over 4)") and "train.parallel: fsdp" in p.stderr
+def dry_run(capsys, *argv):
+    """train.py --dry-run in this process: (stdout, the one-line error or None)."""
+    import checkpoint
+    import train
+    try:
+        checkpoint.run_main(lambda: train.main(["--dry-run", *argv]))
+        error = None
+    except SystemExit as e:
+        error = str(e.code)
+    return capsys.readouterr().out, error
+
+
+def test_dry_run_prints_the_9b_memory_plan(capsys):
+    out, error = dry_run(capsys, "--config", GLM9B)
+    assert error is None and "9.40B parameters" in out and "learner GPU (fsdp over 4)" in out
+    assert out.count("fits in 74.5 GiB") == 2  # learner and generator
+    out, error = dry_run(capsys, "--config", GLM9B, "train.parallel=ddp")
+    assert "does NOT fit" in out
+    assert error.startswith("error: does not fit on H100s: learner GPU (ddp over 4)") and "train.parallel: fsdp" in error
+
+
+def test_the_one_gpu_recipe_plans_each_phase(capsys):
+    """configs/glm9b_math_1gpu.yaml: LoRA, co-located, on one H100. --dry-run shows each phase (load, generate, train,
+    checkpoint) and the same recipe on 8 co-located GPUs with and without LoRA. The phases follow from the two halves'
+    items: the base counts once (the engine shares it), the train phase is the learner's step alone (the engine's
+    pool released), and offloading takes exactly the learner's masters and AdamW state out of the generate phase."""
+    out, error = dry_run(capsys, "--config", os.path.join(ROOT, "configs", "glm9b_math_1gpu.yaml"))
+    assert error is None and "1 co-located GPU(s)" in out
+    for phase in ("load:", "generate:", "train:", "checkpoint:", "with model.lora, ddp", "without LoRA, fsdp"):
+        assert phase in out, phase
+    assert "does NOT fit" not in out.split("the same recipe on 8")[0]
+    cfg = load_config(os.path.join(ROOT, "configs", "glm9b_math_1gpu.yaml"), [])
+    assert cfg.train.colocate and cfg.model.lora == {} and cfg.rollout.max_staleness == 0
+    kept, out_ = config.plan_memory(cfg, 1, offload=False), config.plan_memory(cfg, 1, offload=True)
+    (_, _, load), (_, items, gen_kept), (_, _, train_b), _ = kept.phases()
+    assert train_b == kept.learner_bytes()
+    weights = [b for i, b in kept.generator if i.startswith("bf16 weights")][0]
+    assert sum(b for i, b in items if "base" in i) == weights  # the base once: it is the engine's weights
+    masters = sum(b for i, b in items if "masters" in i)  # the adapters' fp32 weights + AdamW: 12 bytes a parameter
+    assert gen_kept == kept.generator_bytes() + masters and masters % 12 == 0
+    assert gen_kept - out_.phases()[1][2] == masters == out_.settings["pinned_host"] > 0
+    assert load == kept.learner_load[0][1] + kept.learner_load[1][1] + weights + kept.generator_load[1][1] + 3 * 2**30
+    assert not config.colocate_offload(cfg, 1, config.H100_BYTES)  # the adapters' state fits: kept
+    assert config.colocate_offload(cfg, 1)  # (on a CPU it always moves: the GPU's path, under test)
+    assert config.colocate_offload(load_config(os.path.join(ROOT, "configs", "glm9b_math_1gpu.yaml"),
+                                               ["model.lora=null", "train.parallel=fsdp"]), 8, config.H100_BYTES) is False
+
+
+def test_colocate_settings_are_checked_in_one_line():
+    for overrides, message in [(["train.colocate=true"], "rollout.max_staleness: 0"),
+                               (["train.colocate=true", "rollout.max_staleness=0", "rollout.partial_rollout=true"],
+                                "rollout.max_staleness: 0 and rollout.partial_rollout: false"),
+                               (["train.colocate=true", "rollout.max_staleness=0", "rollout.engine=sglang"], "engine: torch"),
+                               (["train.offload=true"], "train.offload is for train.colocate"),
+                               (["train.colocate=true", "rollout.max_staleness=0", "train.generator_device=cpu"],
+                                "alike")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(TINY, overrides)
 
 
 def test_the_tool_recipe_plans_its_longest_trajectory():

@@ -309,6 +309,18 @@ def metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
+def train_error(*argv):
+    """The one-line error train.py ends with (checkpoint.run_main), run in this process: a check that fails before
+    any training saves the seconds a new interpreter takes to import torch."""
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(SystemExit) as e:
+            checkpoint.run_main(lambda: train.main(list(argv)))
+    finally:
+        torch.set_num_threads(threads)
+    return str(e.value.code)
+
+
 EXPECTED_STEPS = ([("dsa_warmup", s) for s in range(1, 3)] + [("sft", s) for s in range(1, 5)] +
                   [("rl", s) for s in range(0, 5)])
 
@@ -366,8 +378,7 @@ def test_checkpoints_are_model_directories(async_run):
 
 
 def test_fresh_run_refuses_an_existing_run_dir(async_run):
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={async_run}"], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode != 0 and "already holds a run; pass --resume" in p.stderr
+    assert "already holds a run; pass --resume" in train_error(f"run_dir={async_run}")
 
 
 def wait_for(cond, proc, timeout=120):
@@ -376,31 +387,6 @@ def wait_for(cond, proc, timeout=120):
         assert proc.poll() is None, f"run ended early: {proc.stderr.read()[-2000:]}"
         assert time.time() < deadline, "timed out"
         time.sleep(0.02)
-
-
-def test_resume_after_kill_continues_exactly(sync_run, tmp_path):
-    """SIGKILL right after the first checkpoint, --resume, and the run ends as if never stopped:
-    same (stage, step) sequence with nothing repeated or skipped, and, in synchronous mode where
-    everything is seeded, the same losses and eval numbers."""
-    run_dir = str(tmp_path / "killed")
-    proc = run_train(run_dir, "rollout.max_staleness=0", wait=False)
-    wait_for(lambda: checkpoint.checkpoints(run_dir), proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        assert len(f.readlines()) < len(EXPECTED_STEPS)  # killed mid-run (its last line may be cut short)
-    run_train(run_dir, "rollout.max_staleness=0", resume=True)
-    got, want = metrics(run_dir), metrics(sync_run)
-    assert [(r["stage"], r["step"]) for r in got] == EXPECTED_STEPS
-    for a, b in zip(got, want):
-        for key in ("train/loss", "train/indexer_kl", "rollout/reward", "eval/synthetic/accuracy", "train/grad_norm"):
-            assert (key in a) == (key in b)
-            if key in a:
-                assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["stage"], a["step"], key)
-    state = torch.load(os.path.join(checkpoint.checkpoints(run_dir)[-1], "state.pt"), weights_only=False)
-    assert state["ranks"][0]["stream"] == torch.load(os.path.join(checkpoint.checkpoints(sync_run)[-1], "state.pt"),
-                                                     weights_only=False)["ranks"][0]["stream"]
 
 
 def test_ctrl_c_stops_cleanly(tmp_path):
@@ -453,7 +439,8 @@ def test_every_optional_path_runs(tmp_path):
 
 # ----------------------------------------------------------------------------- a run you can trust
 
-TIMES = ("time/", "perf/", "rollout/gen_s", "rollout/gen_tokens_per_s")  # wall-clock figures: the only keys that may differ
+# wall-clock figures, and the handoff's (co-located runs alone report them): the only keys that may differ
+TIMES = ("time/", "perf/", "rollout/gen_s", "rollout/gen_tokens_per_s", "colocate/")
 
 
 def without_times(rows):
@@ -471,16 +458,21 @@ def assert_same_run(run_dir, reference):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_an_fp8_run_resumes_exactly(sync_run, tmp_path):
+def test_an_fp8_run_resumes_exactly_and_colocated_is_the_same_run(sync_run, tmp_path):
     """rollout.quantization: fp8 (the generator's decoder linears in e4m3 blocks, published quantized): a run
     stopped after RL step 2 and resumed ends as the uninterrupted one, and its rollouts really came from the fp8
-    generator: its logprobs sit ~1e-2 from the learner's, where the CPU's fp32 generator's sit ~1e-6 away."""
+    generator: its logprobs sit ~1e-2 from the learner's, where the CPU's fp32 generator's sit ~1e-6 away. The
+    stopped-and-resumed run is co-located (train.colocate: the engine's e4m3 weights and KV pool released while the
+    learner steps, the learner's masters and AdamW state offloaded while the engine generates), the uninterrupted
+    one is not: with max_staleness 0 and the same thread counts (parallel.set_threads) they are the same run."""
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     fp8 = ["rollout.max_staleness=0", "rollout.quantization=fp8", "train.dsa_warmup_steps=0", "train.sft_steps=0"]
     run_train(whole, *fp8)
-    run_train(split, *fp8, "train.rl_steps=2")
+    run_train(split, *fp8, "train.rl_steps=2", "train.colocate=true")
     run_train(split, *fp8, "train.rl_steps=4", resume=True)
     assert_same_run(split, whole)
+    rl = [r for r in metrics(split) if r["stage"] == "rl" and r["step"] > 0]
+    assert all(r["colocate/offloaded_gib"] > 0 and r["perf/to_learner_s"] >= 0 for r in rl)  # the handoff ran
     gap = lambda run: max(r["train/logp_diff_mean"] for r in metrics(run) if "train/logp_diff_mean" in r)  # noqa: E731
     assert gap(whole) > 1e-3 > 1e-4 > gap(sync_run)
 
@@ -489,13 +481,14 @@ def test_a_lora_run_trains_adapters_on_the_frozen_base_and_resumes_exactly(tmp_p
     """model.lora: the warm-ups train the whole model, then RL trains adapters on that base, frozen; publishes the
     adapters alone (the generator's logprobs stay the learner's, ~1e-6), takes the KL to the base with the adapters
     off, and checkpoints adapters (peft's layout) + state, the base once in run_dir/lora_base. A run stopped after RL
-    step 2 and resumed ends as the uninterrupted one (metrics and weights)."""
+    step 2 and resumed ends as the uninterrupted one (metrics and weights), the stopped one co-located (the engine
+    shares the learner's base: no copy)."""
     args = ["model.lora={rank: 4}", "rollout.max_staleness=0", "grpo.kl_coef=0.01", "grpo.entropy_coef=0.01"]  # (moves B
     # whatever the rewards: the tiny warm-up here solves nothing)
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     run_train(whole, *args)
-    run_train(split, *args, "train.rl_steps=2")
-    run_train(split, *args, "train.rl_steps=4", resume=True)
+    run_train(split, *args, "train.rl_steps=2", "train.colocate=true")  # co-located: the engine decodes on the
+    run_train(split, *args, "train.rl_steps=4", resume=True)  # learner's own base tensors, the adapters offloaded
     assert_same_run(split, whole)
     last, sft_end = checkpoint.checkpoints(whole)[-1], os.path.join(whole, "checkpoints", "step_000006")
     assert {"adapter_config.json", "adapter_model.safetensors", "state.pt"} <= set(os.listdir(last))
@@ -509,18 +502,10 @@ def test_a_lora_run_trains_adapters_on_the_frozen_base_and_resumes_exactly(tmp_p
     assert max(r["train/grad_norm"] for r in rl) > 0
 
 
-def test_same_seed_runs_are_identical(async_run, tmp_path):
-    """The default async mode (one step off-policy, DSA stages included) is reproducible: weights reach the
-    generator between batches, so batch i is sampled wholly by version i - 1, and every kernel is
-    deterministic."""
-    run_dir = str(tmp_path / "again")
-    run_train(run_dir, "rollout.max_staleness=1")
-    assert_same_run(run_dir, async_run)
-
-
 def test_kill_anywhere_and_resume_is_exact(async_run, tmp_path):
     """SIGKILL at random moments across all stages (seeded), --resume after each, in the default async
-    mode: the run ends exactly as the uninterrupted one (metrics and weights)."""
+    mode: the run ends exactly as the uninterrupted one (metrics and weights), which also says that two runs of
+    one seed are identical: weights reach the generator between batches, and every kernel is deterministic."""
     import random
     rng, run_dir, kills = random.Random(0), str(tmp_path / "killed"), 0
     while kills < 5:
@@ -632,11 +617,9 @@ def test_resume_reads_the_runs_own_config(tmp_path):
     an override may change only what is safe mid-run, anything else is refused naming both values."""
     run_dir = str(tmp_path / "own")
     run_train(run_dir, "rollout.temperature=1.0", "train.rl_steps=2", "train.dsa_warmup_steps=0", "train.sft_steps=0")
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", "--resume", "rollout.temperature=2.0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and p.stderr.strip().splitlines() == [
+    assert train_error(f"run_dir={run_dir}", "--resume", "rollout.temperature=2.0") == (
         f"error: --resume: rollout.temperature is 1.0 in {run_dir}/config.yaml but 2.0 on the command line; "
-        "a resumed run may change only " + ", ".join(sorted(config.SAFE_ON_RESUME - {"run_dir"}))]
+        "a resumed run may change only " + ", ".join(sorted(config.SAFE_ON_RESUME - {"run_dir"})))
     p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", "--resume", "train.rl_steps=3"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)  # no FAST: the saved config has it
     assert p.returncode == 0, p.stderr[-2000:]
@@ -650,42 +633,35 @@ def test_a_run_without_a_checkpoint_restarts_fresh(tmp_path):
     """Killed before its first checkpoint: a plain start refuses the directory, --resume starts it fresh
     and says so (the old metrics are dropped, not appended to)."""
     run_dir = str(tmp_path / "early")
-    args = ("train.dsa_warmup_steps=0", "train.sft_steps=12", "train.rl_steps=0", "train.save_every=1000")
+    args = ("train.dsa_warmup_steps=0", "train.sft_steps=6", "train.rl_steps=0", "train.save_every=1000")
     proc = run_train(run_dir, *args, wait=False)
     wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and metrics(run_dir), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not checkpoint.checkpoints(run_dir)
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode != 0 and "already holds a run; pass --resume to continue it" in p.stderr
+    assert "already holds a run; pass --resume to continue it" in train_error(f"run_dir={run_dir}")
     p = run_train(run_dir, *args, resume=True)
     assert f"{run_dir} has no checkpoint yet: starting it fresh" in p.stdout
-    assert [(r["stage"], r["step"]) for r in metrics(run_dir)] == [("sft", s) for s in range(1, 13)]
+    assert [(r["stage"], r["step"]) for r in metrics(run_dir)] == [("sft", s) for s in range(1, 7)]
 
 
 def test_overlong_prompts_fail_before_any_work(tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps({"prompt": "1+1=" * n, "label": "2"}) + "\n" for n in (1, 30, 40)))
     run_dir = str(tmp_path / "r")
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", f"data.eval={path}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith(
+    assert train_error(f"run_dir={run_dir}", f"data.eval={path}").startswith(
         f"error: 2 of 3 prompts in {path} are longer than rollout.max_prompt_tokens=32")
     assert not os.path.exists(os.path.join(run_dir, "metrics.jsonl"))  # failed before the first stage
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", f"data.train={path}", "train.sft_steps=0",
-                        "train.dsa_warmup_steps=0", "train.rl_steps=1", "rollout.max_prompt_tokens=4"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0 and "none is left to train on" in p.stderr.strip().splitlines()[-1]
+    assert "none is left to train on" in train_error(f"run_dir={run_dir}", f"data.train={path}", "train.sft_steps=0",
+                                                     "train.dsa_warmup_steps=0", "train.rl_steps=1",
+                                                     "rollout.max_prompt_tokens=4")
 
 
 def test_environment_failures_are_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={blocker}/run"], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode != 0 and p.stderr.strip().splitlines() == [f"error: not a directory: {blocker}/run"]
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "model.init=null",
-                        f"model.path={tmp_path}"], cwd=ROOT, capture_output=True, text=True)
-    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1] == \
+    assert train_error(f"run_dir={blocker}/run") == f"error: not a directory: {blocker}/run"
+    assert train_error(f"run_dir={tmp_path / 'r'}", "model.init=null", f"model.path={tmp_path}") == \
         f"error: model.path: {tmp_path} has no config.json"  # not sentencepiece advice
 
 
@@ -834,9 +810,11 @@ def test_two_processes_warm_up_like_one(two_proc_run, sync_run):
 def test_two_processes_killed_and_resumed_end_exactly(two_proc_run, tmp_path):
     """SIGKILL to both processes (and the launcher) in the RL stage, --resume under torchrun (the run was started
     by train.py itself): the same run as never killed, bit for bit (per-rank data positions and RNGs restored,
-    FSDP optimizer state reloaded)."""
+    FSDP optimizer state reloaded). This run is co-located (train.colocate; FSDP2's shards and AdamW state offloaded
+    and brought back each step, the checkpoint taken from them), the uninterrupted one is split, max_staleness 0."""
     run_dir = str(tmp_path / "killed2")
-    args = ["--config", TINY, f"run_dir={run_dir}", *FAST, "rollout.max_staleness=0", "train.parallel=fsdp"]
+    args = ["--config", TINY, f"run_dir={run_dir}", *FAST, "rollout.max_staleness=0", "train.parallel=fsdp",
+            "train.colocate=true"]
     proc = subprocess.Popen([sys.executable, "train.py", *args, "train.pairs=2"], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     wait_for(lambda: any(os.path.basename(c) >= "step_000006" for c in checkpoint.checkpoints(run_dir)), proc, timeout=240)
@@ -845,6 +823,7 @@ def test_two_processes_killed_and_resumed_end_exactly(two_proc_run, tmp_path):
     subprocess.run(["pkill", "-9", "-f", f"run_dir={run_dir}"])
     run_procs(run_dir, "train.parallel=fsdp", resume=True, launcher="torchrun")
     assert without_times(metrics(run_dir)) == without_times(metrics(two_proc_run))
+    assert all(r["colocate/offloaded_gib"] > 0 for r in metrics(run_dir) if r["stage"] == "rl" and r["step"] > 0)
     a, b = final_weights(run_dir), final_weights(two_proc_run)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

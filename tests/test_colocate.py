@@ -1,0 +1,131 @@
+"""colocate.py and the engine calls it uses (TorchEngine.release / share): the handoff really frees and restores
+memory, observably on CPU. The KV pool goes, the engine's unshared weights shrink to nothing until a publish refills
+them, the learner's masters and AdamW state leave and come back bit for bit, and generation after a handoff is the
+generation before it, with a bf16 engine beside an fp32 learner stepping under bf16 autocast. With LoRA the engine
+decodes on the learner's base tensors themselves. Whole co-located runs (one process, two with FSDP2, resume after a
+kill) are in test_train.py, against the split layout."""
+import gc
+import threading
+import weakref
+
+import torch
+
+import lora
+from colocate import Handoff, offloaded_tensors
+from engine import SamplingParams, TorchEngine
+from lora import LoRAConfig
+from model import GLM, GLMConfig
+
+DSA = {"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}
+PROMPTS = [[3, 9, 27, 4], [11, 8, 30, 2, 5, 17], [7, 7, 1]]
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6)
+
+
+def tiny(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    return GLM(GLMConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=8, dsa=DSA)).to(dtype)
+
+
+def step(model, optimizer):
+    """One AdamW step under bf16 autocast (fp32 masters): the optimizer then has state to offload."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.tensor([PROMPTS[1]])).float().logsumexp(-1).mean()
+    loss.backward()
+    optimizer.step()
+
+
+def publish(engine, model, version):
+    engine.update_weights(((n, p.detach().to(engine._params[n].dtype)) for n, p in model.named_parameters()), version)
+
+
+def out(engine):
+    return [(c.token_ids, c.logprobs) for c in engine.generate(PROMPTS, SAMPLING, seed=5)]
+
+
+def test_the_handoff_frees_and_restores_both_halves_bit_for_bit():
+    learner = tiny()
+    optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-3)
+    step(learner, optimizer)
+    engine = TorchEngine(tiny(seed=1, dtype=torch.bfloat16), max_batch=2)  # bf16 weights: the GPU's generator
+    publish(engine, learner, 1)
+    before = out(engine)
+    pool = weakref.ref(engine.pool.k[0])
+    hand = Handoff(engine, learner, optimizer, torch.device("cpu"), offload=True)
+    saved = [t.clone() for t in offloaded_tensors(learner, optimizer)]
+    assert len(saved) == len(list(learner.parameters())) + 3 * len(optimizer.state) > 0  # masters; m, v, step
+
+    hand.to_generator()  # the learner's state leaves; its gradients are freed
+    assert all(t.untyped_storage().nbytes() == 0 for t in offloaded_tensors(learner, optimizer))
+    assert all(p.grad is None for p in learner.parameters())
+    assert hand.stats["colocate/offloaded_gib"] * 2**30 == sum(t.numel() * t.element_size() for t in saved)
+    assert out(engine) == before  # the engine generates on its own memory meanwhile
+
+    hand.to_learner()  # the engine lets go of its pool and weights; the learner's state is back, bit for bit
+    gc.collect()
+    assert engine.pool is None and pool() is None
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine._params.values())
+    assert all(torch.equal(a, b) for a, b in zip(offloaded_tensors(learner, optimizer), saved))
+    step(learner, optimizer)  # the restored optimizer steps on (its state is read, not re-created)
+    assert optimizer.state[next(learner.parameters())]["step"].item() == 2
+
+    publish(engine, learner, 2)  # the publish brings the released weights back (new memory), then a new pool
+    assert not engine.released and all(p.untyped_storage().nbytes() > 0 for p in engine._params.values())
+    reference = TorchEngine(tiny(seed=2, dtype=torch.bfloat16), max_batch=2)  # never released: the same weights
+    publish(reference, learner, 2)
+    assert out(engine) == out(reference) != before
+
+
+def test_resident_brings_the_state_back_for_a_checkpoint_then_out_again():
+    learner = tiny()
+    optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-3)
+    step(learner, optimizer)
+    hand = Handoff(TorchEngine(tiny(seed=1), max_batch=2), learner, optimizer, torch.device("cpu"), offload=True)
+    saved = {k: v.clone() for k, v in learner.state_dict().items()}
+    hand.to_generator()
+    with hand.resident():
+        assert all(torch.equal(v, saved[k]) for k, v in learner.state_dict().items())
+        optimizer.state_dict()  # what a checkpoint reads
+    assert all(t.untyped_storage().nbytes() == 0 for t in offloaded_tensors(learner, optimizer))
+    kept = Handoff(hand.engine, learner, optimizer, torch.device("cpu"), offload=False)  # train.offload: false
+    hand.to_learner()
+    kept.to_generator()
+    assert all(t.untyped_storage().nbytes() > 0 for t in offloaded_tensors(learner, optimizer))
+
+
+def test_release_waits_for_the_running_call_to_end():
+    """An agent's session keeps its call running, with parked KV: release() drains it before the pool goes."""
+    engine = TorchEngine(tiny(), max_batch=2)
+    with engine.session(SAMPLING, longest=16) as call:
+        call.submit(PROMPTS[0], 4, seed=1, key="trajectory")
+        while call.busy:
+            call.step()
+        assert engine.parked  # its KV stays for the next turn
+        releasing = threading.Thread(target=engine.release)
+        releasing.start()
+        releasing.join(timeout=0.5)
+        assert releasing.is_alive() and engine.pool is not None  # not while the session runs
+    releasing.join(timeout=10)
+    assert not releasing.is_alive() and engine.pool is None
+
+
+def test_with_lora_the_engine_decodes_on_the_learners_base_itself():
+    """lora.share_base: the engine's base weights are the learner's tensors (no copy), release() keeps them, and an
+    adapters-only publish refills the released adapters; the tokens are those of an engine with its own full copy."""
+    cfg = LoRAConfig(rank=4)
+    learner = lora.add(tiny(), cfg)
+    for _, p in lora.adapter_named(learner):
+        p.data.normal_(0, 0.1)  # trained adapters
+    engine = TorchEngine(lora.add(tiny(seed=1), cfg), max_batch=2)
+    assert lora.share_base(engine, learner)
+    base = {n: p for n, p in learner.named_parameters() if not n.endswith((".lora_A", ".lora_B"))}
+    assert all(engine._params[n].data_ptr() == p.data_ptr() for n, p in base.items())
+    engine.update_weights(lora.adapter_named(learner), 1)
+    copy = TorchEngine(lora.add(tiny(seed=2), cfg), max_batch=2)
+    publish(copy, learner, 1)
+    want = out(copy)
+    assert out(engine) == want
+    engine.release()
+    assert set(engine.released) == {n for n, _ in lora.adapter_named(learner)}  # the base stays: it is the learner's
+    engine.update_weights(lora.adapter_named(learner), 2)
+    assert out(engine) == want
