@@ -7,7 +7,7 @@
 #   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
 #   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
 #
-# Parts (their timeouts: T1 ... T6, T4a ... T4e; all of them within BUDGET seconds from the start):
+# Parts (their timeouts: T1 ... T7, T4a ... T4e; all of them within BUDGET seconds from the start):
 #   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
 #       CUDA branch when there is one, found in tests/ by name, plus the sm_90 compile of the Triton kernels. They
 #       are the only tests that run dsa_triton's kernels compiled on a GPU: tests/test_dsa_triton.py runs them
@@ -19,6 +19,9 @@
 #       4e dense with an fp8 generator (rollout.quantization: fp8): its decode tokens/s beside 4a's
 #   5   the tiny default run on one GPU (configs/tiny_cpu.yaml), its final held-out accuracy against the README's
 #       CPU seeds
+#   7   bench/colocate.py: the co-located handoff (train.colocate) on a 4-layer cut of GLM-Z1-9B, LoRA and full: each
+#       handoff's seconds, what the first generate after one costs (a new KV pool, CUDA graphs captured again) beside
+#       one with no handoff before it, and each phase's peak memory beside the plan's (run after part 3)
 #   6   bench/fp8.py: FP8 generator weights at GLM-Z1-9B's shapes: quantization error, quantize time, and the fp8
 #       GEMM (torch's scaled_mm, fp8.py's Triton kernel) against its CPU reference and against bf16 in speed (last,
 #       so the budget may cut it: rerun with --parts 6)
@@ -312,7 +315,7 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------------ the parts
-say "plan: parts 1 (GPU-only tests), 2 (parity), 3 (memory), 4a-4e (speed), 5 (tiny run), 6 (fp8); budget ${BUDGET}s"
+say "plan: parts 1 (GPU-only tests), 2 (parity), 3 (memory), 7 (colocate handoff), 4a-4e (speed), 5 (tiny run), 6 (fp8); budget ${BUDGET}s"
 if [[ $DRY == 1 ]]; then
     say "part 1 would run: ${GPU_TESTS:-none found}"
 fi
@@ -327,11 +330,15 @@ if [[ $DRY == 1 ]]; then
         "$PY bench/parity.py --device cpu --shapes tiny --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md
     run_part 3 "memory" 75 0 \
         "$PY bench/gpu_memory.py --dry --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
+    run_part 7 "colocate handoff" 60 0 \
+        "$PY bench/colocate.py --device cpu --small --json $OUT/7_colocate.json --md $OUT/7_colocate_handoff.md" x_md
 else
     run_part 2 "parity" 120 1 \
         "$PY bench/parity.py --device cuda --ref-device cpu --shapes tiny,9b --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md
     run_part 3 "memory" 90 1 \
         "$PY bench/gpu_memory.py --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
+    run_part 7 "colocate handoff" 90 1 \
+        "$PY bench/colocate.py --device cuda --layers 4 --json $OUT/7_colocate.json --md $OUT/7_colocate_handoff.md" x_md
 fi
 
 SCALE="$PY bench/scale.py --device cuda --layers 4"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6"]
+PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6", "7"]
 CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "5", "6"]
 
 
@@ -37,7 +37,7 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
         assert f"---- part {part}:" in r.stdout  # planned: its command and timeout printed
     for part in CUDA_PARTS:
         assert f"SKIP part {part} (" in r.stdout and "needs CUDA" in r.stdout
-    assert status(out) == {p: "ok" if p in ("2", "3") else "skipped (needs CUDA)" for p in PARTS}
+    assert status(out) == {p: "ok" if p in ("2", "3", "7") else "skipped (needs CUDA)" for p in PARTS}
     # part 1's tests were found in tests/ (a skipif on CUDA, or a CUDA branch), and are named, not the suite
     assert "tests/test_engine.py::test_cuda_graph_replays_give_the_eager_tokens" in r.stdout
     assert "tests/test_model.py::test_cuda_attention_never_falls_back_to_the_math_kernel" in r.stdout
@@ -48,7 +48,7 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
 def test_dry_run_writes_its_files_and_summary(dry):
     _, out = dry
     for name in ("summary.md", "status.tsv", "0_env.log", "2_parity.log", "2_parity.json", "2_parity.md",
-                 "3_memory.log", "3_memory.json", "3_memory.md"):
+                 "3_memory.log", "3_memory.json", "3_memory.md", "7_colocate.json", "7_colocate_handoff.md"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     summary = (out / "summary.md").read_text()
     for part in PARTS:
@@ -56,6 +56,7 @@ def test_dry_run_writes_its_files_and_summary(dry):
     assert "| 5 | tiny run | skipped (needs CUDA)" in summary
     assert "| generator prefill | needs CUDA |" in summary  # the memory table, plan side only
     assert "All paths within tolerance: yes." in summary  # the parity table
+    assert "| lora | generate | needs CUDA |" in summary and "| full | " in summary  # the handoff's table, CPU side
     assert not (out / "5_tiny").exists()
 
 
