@@ -322,6 +322,7 @@ class TorchEngine:
                                      f"the learner {t.dtype} {tuple(t.shape)} on {t.device}")
                 p.data = t.detach()
                 self.shared.add(name)
+                self.released.pop(name, None)  # (its own memory, released or not, is gone with its old tensor)
 
     def release(self):
         """Co-located mode (colocate.py): give the memory back while the learner steps. The KV pool and the CUDA

@@ -484,6 +484,8 @@ def main(argv=None):
             if cfg.train.rl_steps > 0 else None
     except (ImportError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    if cfg.train.colocate and engine is not None:
+        engine.release()  # co-located: the warm-ups have the GPU to themselves; RL's first publish fills the engine
     log, preempt = MetricsLog(cfg, resume), Preemption()
 
     done = ("dsa_warmup", "sft", "rl").index(resume["stage"]) if resume else 0  # stages before the checkpoint's are finished

@@ -94,7 +94,8 @@ def main():
         f"Command: `python bench/lora.py` (lora.py; rank {args.rank}, alpha 32, every decoder linear of GLM-Z1-9B-0414). "
         f"Bytes are exact for the 9B shapes; seconds are `TorchEngine.update_weights` of a 2-layer cut at full width on "
         "this CPU, full then adapters, interleaved, median of 5, scaled to 40 layers (an in-process copy: across GPUs the "
-        "bytes set the time). lora.py is not wired into training yet (issue 28): these measure its pieces.",
+        "bytes set the time). (model.lora publishes exactly these adapters after each step; on a device shared with "
+        "the generator the base is never published at all.)",
         "",
         "| publish | bytes | seconds (CPU copy of the 40 decoder layers) |",
         "|---|---:|---:|",
