@@ -18,8 +18,8 @@ with its adapters switched off (`disabled`), at no memory. Adapters are saved in
 (adapter_config.json + adapter_model.safetensors), which peft loads onto transformers' Glm4ForCausalLM.
 
 The file in reading order: the config, the layer (LoRALinear), putting adapters on a model (add), their
-tensors (adapter_named, load_adapters), switching them off (disabled), merging (merged_weight), peft's layout
-(save_adapters).
+tensors (adapter_named, load_adapters), switching them off (disabled), merging (merged_weight, merged; a full
+export: `python lora.py merge CHECKPOINT OUT`), peft's layout (save_adapters).
 """
 import contextlib
 import json
@@ -165,6 +165,40 @@ def merged_weight(m: LoRALinear, dtype=torch.float32):
     return (m.weight.float() + m.lora_scale * m.lora_B.float() @ m.lora_A.float()).to(dtype)
 
 
+@torch.no_grad()
+def merged(model, dtype=torch.float32):
+    """A plain GLM, no adapters: each adapted linear W + scale B A (merged_weight, in fp32, then cast), the rest
+    the model's own, every weight in dtype but dsa.FP32_PARAMS. Returns (the model, the rounding's error as a
+    share of the adapters' delta, mean over the layers: 0 in fp32)."""
+    from model import GLM
+    state = {n: t for n, t in model.state_dict().items() if not n.endswith((".lora_A", ".lora_B"))}
+    errors = []
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            exact = merged_weight(m)
+            state[name + ".weight"] = exact.to(dtype)
+            delta = (exact - m.weight.float()).norm()
+            if delta > 0:  # (untrained adapters, B = 0: no delta to lose)
+                errors.append(float((exact.to(dtype).float() - exact).norm() / delta))
+    with torch.device("meta"):
+        out = GLM(model.cfg)
+    out.to_empty(device="cpu").load_state_dict(state)
+    return out.cast_(dtype), sum(errors) / max(1, len(errors))
+
+
+def export_merged(checkpoint, out_dir, dtype=torch.float32):
+    """A LoRA run's checkpoint (adapters + its run's lora_base) as one full model directory, merged (`merged`),
+    with the checkpoint's tokenizer files. Returns the rounding's error share (merged's)."""
+    from model import GLM
+    model, error = merged(load_model(checkpoint, GLM.from_pretrained), dtype)
+    model.save_pretrained(out_dir)
+    for folder in (base_dir(checkpoint), checkpoint):  # the tokenizer, generation_config.json: the checkpoint's last
+        for name in os.listdir(folder):
+            if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
+                shutil.copy(os.path.join(folder, name), out_dir)
+    return error
+
+
 PEFT_PREFIX = "base_model.model.model."  # peft's PeftModel > Glm4ForCausalLM > Glm4Model
 
 
@@ -243,3 +277,25 @@ class Base(nn.Module):
 
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
+
+
+def main(argv=None):
+    """python lora.py merge CHECKPOINT OUT [--dtype bfloat16]: a full model directory from a LoRA checkpoint."""
+    import argparse
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("command", choices=["merge"])
+    ap.add_argument("checkpoint", help="run_dir/checkpoints/step_N of a model.lora run")
+    ap.add_argument("out", help="the merged model's directory (Hugging Face layout)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="float32 (default): exact; bfloat16 rounds W + delta, and small deltas with it (stated)")
+    args = ap.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.checkpoint, ADAPTERS)):
+        raise SystemExit(f"error: {args.checkpoint} holds no {ADAPTERS}: not a checkpoint of a model.lora run")
+    error = export_merged(args.checkpoint, args.out, getattr(torch, args.dtype))
+    print(f"[lora] merged {args.checkpoint} into {args.out} in {args.dtype}: " +
+          ("exact (fp32)" if args.dtype == "float32" else
+           f"bf16 rounding changes W + delta by {error:.1%} of the adapters' delta (mean over layers)"))
+
+
+if __name__ == "__main__":
+    main()

@@ -150,7 +150,8 @@ def cpu_cores():
 def set_threads(devices, rl: bool):
     """Processes on one machine split its cores; within a process, the learner (main thread) and the
     generator thread get half each during RL when both run on the CPU, so their op thread pools do not
-    fight over the same cores."""
+    fight over the same cores. Co-located (train.colocate) too, though the halves then take turns: the same
+    thread counts keep a co-located CPU run bit-identical to the split one."""
     cores = max(1, cpu_cores() // local_layout()[1])
     both_cpu = devices[0].type == devices[1].type == "cpu"
     torch.set_num_threads(max(1, cores // 2) if rl and both_cpu else cores)

@@ -4,6 +4,7 @@ and the loop; config.py, parallel.py and checkpoint.py hold the plumbing.
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
+    python train.py --config configs/glm9b_math_1gpu.yaml   # the same on one H100: LoRA, co-located
     python train.py rollout.temperature=0.8 run_dir=runs/t08     # any key.sub=value overrides the YAML
     python train.py --resume run_dir=runs/t08            # continue the run from its own config and checkpoint
     python train.py --config configs/glm9b_math.yaml --dry-run   # parameter count + per-GPU memory plan
@@ -17,7 +18,8 @@ One run goes through up to three stages, each skipped when its step count is 0:
                  on a DSA model this is also the sparse stage: top-k attention on, indexer KL on;
   3. rl          asynchronous GRPO. A generator thread (rollout.py) samples and grades groups with its
                  own copy of the weights; the learner pops a batch, trains one step on it and publishes
-                 the new weights. Batch i is sampled by weights i - max_staleness.
+                 the new weights. Batch i is sampled by weights i - max_staleness. Co-located (train.colocate,
+                 colocate.py) one GPU serves both in turn, synchronously, each half's memory out during the other's.
 
 Each process (one per generator/learner GPU pair, parallel.py) generates and trains its own share of
 the batch; every loss below is a partial sum over the global batch's denominator, so the ranks'
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimi
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+import colocate
 import data
 import dsa
 import env
@@ -45,7 +48,6 @@ import grpo
 import hub
 from checkpoint import (MetricsLog, Preempted, Preemption, checkpoints, load_latest, reference_model, run_main,
                         save_checkpoint, seed_all, set_rng_state, starting_point)
-import colocate
 from config import (LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config, ConfigError, architecture, check_memory, check_paths, eval_sets,
                     load_config, load_run_config, save_config)
 from parallel import (Skips, all_gather, autocast, barrier, combine_ranks, dummy_rows, full_weights, global_sum,

@@ -124,3 +124,34 @@ def test_the_engine_decodes_unmerged_and_takes_an_adapters_only_publish(dtype):
     tol = 1e-5 if dtype == torch.float32 else 6e-2
     assert (logp.max(-1).values - chosen <= (1e-6 if dtype == torch.float32 else tol)).all()
     assert out.logprobs == pytest.approx(chosen.tolist(), abs=tol) and out.versions == (1, 1)
+
+
+def test_a_merged_export_is_the_adapted_model_in_fp32_and_states_its_bf16_rounding(tmp_path, capsys):
+    """python lora.py merge CHECKPOINT OUT: a LoRA checkpoint (adapters + the run's lora_base) becomes one full model
+    directory whose logits are the adapted model's (fp32: exact up to float rounding), with no adapter left; in bf16
+    the export says how much of the adapters' delta the rounding changes (an fp64 merge of one layer is the reference)."""
+    model = trained(lora.add(tiny(DSA), LoRAConfig(rank=4)))
+    run = tmp_path / "run"
+    tiny(DSA).save_pretrained(str(run / lora.BASE))  # the base: tiny(DSA) again, the same seed
+    (run / "checkpoints").mkdir()
+    lora.save_adapters(model, str(run / "checkpoints" / "step_000001"))
+    out = tmp_path / "merged"
+    lora.main(["merge", str(run / "checkpoints" / "step_000001"), str(out)])
+    assert "exact (fp32)" in capsys.readouterr().out
+    full = GLM.from_pretrained(str(out))
+    assert not any(n.endswith((".lora_A", ".lora_B")) for n, _ in full.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(full(IDS), model(IDS), rtol=1e-5, atol=1e-5)
+    m = model.layers[0].self_attn.q_proj
+    ref = m.weight.double() + m.lora_scale * m.lora_B.double() @ m.lora_A.double()
+    torch.testing.assert_close(full.layers[0].self_attn.q_proj.weight.double(), ref, rtol=1e-6, atol=1e-6)
+    lora.main(["merge", str(run / "checkpoints" / "step_000001"), str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+    said = capsys.readouterr().out
+    assert "bf16 rounding changes W + delta by" in said
+    error = float(said.split("by ")[1].split("%")[0]) / 100
+    delta = (ref - m.weight.double()).norm()
+    one = float((ref.to(torch.bfloat16).double() - ref).norm() / delta)  # this layer's share, against fp64
+    assert 0 < error < 1 and abs(one - error) < 0.5 * error + 1e-3
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "bf16" / "model.safetensors"), framework="pt") as f:  # written in bf16
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
