@@ -209,7 +209,9 @@ class TorchEngine:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.pool = None  # the PagedKVCache, made by the first call that needs it
-        self.shared, self.released = set(), {}  # weights that are the learner's tensors; weights whose memory is out
+        self.shared = set()  # weights that are the learner's tensors (share)
+        self.released = {name: p.numel() * p.element_size() for name, p in self._params.items()  # memory out (release,
+                         if p.numel() and p.untyped_storage().nbytes() == 0}  # or none yet: from_pretrained(weights=False))
         self.stats = {"iterations": 0, "prefills": 0, "prefill_tokens": 0, "retracted": 0,  # for tests and benchmarks
                       "graph_steps": 0, "parked": 0, "evicted": 0, "extends": 0, "extend_tokens": 0,
                       "decode_steps": 0, "decode_rows": 0}
@@ -1068,15 +1070,16 @@ def fp8_checkpoint(model_path):
 
 # ----------------------------------------------------------------------------- the config's choice
 
-def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None):
+def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, empty=False):
     """The generator's engine (rollout.engine) on this process's generator device, holding a copy of
     model_dir. rollout: the config's rollout section; dsa: model.dsa; lora_cfg: model.lora (adapters on the
-    engine's model too, decoded unmerged; the learner's publishes fill them)."""
+    engine's model too, decoded unmerged; the learner's publishes fill them). empty (co-located): no weights of
+    its own until the learner's first publish fills them (with fp8 they load: quantizing needs them)."""
     if rollout.engine == "sglang":  # SGLang missing, a CPU device or a DSA model: one line naming the problem
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
                             mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None,
                             fp8=rollout.quantization == "fp8")
-    model = GLM.from_pretrained(model_dir, dsa=dsa, device=device)
+    model = GLM.from_pretrained(model_dir, dsa=dsa, device=device, weights=not empty or rollout.quantization == "fp8")
     if rollout.quantization == "fp8":  # the decoder's linears to block-wise e4m3, layer by layer (fp8.py)
         fp8.quantize_model_(model)
     if lora_cfg is not None:

@@ -339,11 +339,12 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         engine_own = generator[1:] if lora_cfg is not None else generator  # LoRA: the weights are the base above
         largest = 4 * max(p.numel() for p in named.values())  # a checkpoint gathers one fp32 tensor at a time
         settings["phases"] = [
-            ("load: the learner's weights, then the engine's", learner_load + generator_load[:-1]),
+            ("load: the learner's weights (the engine has none until the first publish" + (
+                ", but fp8's load to be quantized)" if fp8 else ")"), learner_load + (generator_load[:-1] if fp8 else [])),
             ("generate: the engine, and what stays of the learner" + (" (its state offloaded)" if offload else ""),
              engine_own + stays + ([] if offload else state)),
             ("train: the learner's step (the engine's KV pool and unshared weights released)", learner),
-            ("checkpoint: the learner's state back beside the engine's weights (its KV pool released)",
+            ("checkpoint (and the first publish): the learner's state beside the engine's weights, no KV pool",
              ([] if lora_cfg is not None else generator[:1]) + stays + state
              + [("one gathered fp32 tensor", largest), ("CUDA context, NCCL, fragmentation", OVERHEAD)])]
         settings["pinned_host"] = sum(b for _, b in state) if offload else 0

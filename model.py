@@ -572,10 +572,12 @@ class GLM(nn.Module):
     # ------------------------------------------------------------------------- checkpoints
 
     @classmethod
-    def from_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None) -> "GLM":
+    def from_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, weights=True) -> "GLM":
         """Load an HF directory. dsa: None keeps the checkpoint's own setting (dense for a GLM-4
         checkpoint), a dict (or DSAConfig) turns DSA on, False turns it off. dtype (default bf16 on
-        CUDA, else fp32) applies to every weight but dsa.FP32_PARAMS, which stay fp32.
+        CUDA, else fp32) applies to every weight but dsa.FP32_PARAMS, which stay fp32. weights=False: the
+        model of the directory without its weights, every tensor's storage empty (each allocated and shrunk,
+        one at a time), for someone to fill (a co-located engine: the learner's first publish, colocate.py).
 
         Memory: the model is built on the meta device, cast there, and only then allocated, so every
         tensor exists once, in its final dtype; the file's tensors are copied in one at a time from the
@@ -599,6 +601,16 @@ class GLM(nn.Module):
 
         with torch.device("meta"):
             model = cls(cfg).cast_(dtype)  # no memory yet: the dtypes are decided before anything is allocated
+        if not weights:
+            for module in model.modules():
+                for name, p in module._parameters.items():
+                    if p is not None:
+                        t = torch.empty(p.shape, dtype=p.dtype, device=device or "cpu")
+                        t.untyped_storage().resize_(0)
+                        module._parameters[name] = nn.Parameter(t, requires_grad=p.requires_grad)
+            if cfg.tie_word_embeddings:
+                model.lm_head.weight = model.embed_tokens.weight
+            return model
         if shard is not None:
             shard(model)  # FSDP2 on meta: parameters become DTensors, each rank's rows of dim 0
         expected = {hf_name(n): p for n, p in model.state_dict(keep_vars=True).items()}  # global shapes

@@ -482,12 +482,12 @@ def main(argv=None):
     # RL publishes the learner's weights to it before the first rollout.
     try:
         engine = make_engine(cfg.rollout, base_dir(ckpt or start), devices[0], dsa=cfg.model.dsa,
-                             seed=cfg.seed + 7919 * rank(), lora_cfg=cfg.model.lora) \
+                             seed=cfg.seed + 7919 * rank(), lora_cfg=cfg.model.lora, empty=cfg.train.colocate) \
             if cfg.train.rl_steps > 0 else None
     except (ImportError, ValueError) as e:
         raise ConfigError(str(e)) from None
-    if cfg.train.colocate and engine is not None:
-        engine.release()  # co-located: the warm-ups have the GPU to themselves; RL's first publish fills the engine
+    if cfg.train.colocate and engine is not None:  # co-located: the warm-ups have the GPU to themselves; RL's first
+        engine.release()  # publish fills the engine (made without weights, but fp8's load to be quantized)
     log, preempt = MetricsLog(cfg, resume), Preemption()
 
     done = ("dsa_warmup", "sft", "rl").index(resume["stage"]) if resume else 0  # stages before the checkpoint's are finished

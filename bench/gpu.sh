@@ -331,7 +331,7 @@ if [[ $DRY == 1 ]]; then
     run_part 3 "memory" 75 0 \
         "$PY bench/gpu_memory.py --dry --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
     run_part 7 "colocate handoff" 60 0 \
-        "$PY bench/colocate.py --device cpu --small --json $OUT/7_colocate.json --md $OUT/7_colocate_handoff.md" x_md
+        "$PY bench/colocate.py --device cpu --small --steps 2 --json $OUT/7_colocate.json --md $OUT/7_colocate_handoff.md" x_md
 else
     run_part 2 "parity" 120 1 \
         "$PY bench/parity.py --device cuda --ref-device cpu --shapes tiny,9b --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md

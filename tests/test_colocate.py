@@ -8,6 +8,7 @@ import gc
 import threading
 import weakref
 
+import pytest
 import torch
 
 import lora
@@ -129,3 +130,19 @@ def test_with_lora_the_engine_decodes_on_the_learners_base_itself():
     assert set(engine.released) == {n for n, _ in lora.adapter_named(learner)}  # the base stays: it is the learner's
     engine.update_weights(lora.adapter_named(learner), 2)
     assert out(engine) == want
+
+
+def test_a_colocated_engine_is_made_without_weights_and_filled_by_the_first_publish(tmp_path):
+    """engine.make_engine(empty=True): the model of the directory, no weights read or kept (every storage empty), so a
+    co-located GPU holds the learner's weights alone at load; the engine refuses to generate until a publish fills
+    every weight, then generates what an engine loaded from the directory does."""
+    learner = tiny()
+    learner.save_pretrained(str(tmp_path / "m"))
+    empty = GLM.from_pretrained(str(tmp_path / "m"), weights=False)
+    assert all(p.untyped_storage().nbytes() == 0 for p in empty.parameters())
+    engine = TorchEngine(empty, max_batch=2)
+    assert set(engine.released) == set(engine._params)
+    with pytest.raises(RuntimeError, match="released and not all published back"):
+        out(engine)
+    publish(engine, learner, 1)
+    assert out(engine) == out(TorchEngine(GLM.from_pretrained(str(tmp_path / "m")), max_batch=2))
