@@ -5,8 +5,7 @@ import os
 import re
 import subprocess
 import sys
-import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 
 import pytest
 import yaml
@@ -293,7 +292,7 @@ def test_cli_config_error_is_one_line():
     p = subprocess.run([sys.executable, "train.py", "rollout.temprature=1"], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode != 0
     assert p.stderr.strip().splitlines() == [
-        f"error: command line: unknown key rollout.temprature (did you mean rollout.temperature?)"]
+        "error: command line: unknown key rollout.temprature (did you mean rollout.temperature?)"]
 
 
 
