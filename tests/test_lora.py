@@ -143,7 +143,8 @@ def test_a_merged_export_is_the_adapted_model_in_fp32_and_states_its_bf16_roundi
     with torch.no_grad():
         torch.testing.assert_close(full(IDS), model(IDS), rtol=1e-5, atol=1e-5)
     m = model.layers[0].self_attn.q_proj
-    ref = m.weight.double() + m.lora_scale * m.lora_B.double() @ m.lora_A.double()
+    with torch.no_grad():
+        ref = m.weight.double() + m.lora_scale * m.lora_B.double() @ m.lora_A.double()
     torch.testing.assert_close(full.layers[0].self_attn.q_proj.weight.double(), ref, rtol=1e-6, atol=1e-6)
     lora.main(["merge", str(run / "checkpoints" / "step_000001"), str(tmp_path / "bf16"), "--dtype", "bfloat16"])
     said = capsys.readouterr().out
