@@ -237,7 +237,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         with torch.device("meta"):  # counted on a meta model with lora.py's own adapters
             adapters = sum(p.numel() for _, p in lora.adapter_named(lora.add(GLM(cfg), lora_cfg)))
         learner = [("bf16 frozen base (indexer fp32 islands); the KL reference is it, adapters off", 2 * P + 2 * P32),
-                   (f"LoRA adapters rank {lora_cfg.rank} fp32: weights, grads, DDP buckets, AdamW", 20 * adapters)]
+                   (f"LoRA adapters rank {lora_cfg.rank} fp32: weights, grads, " + ("DDP buckets, " if N > 1 else "") + "AdamW",
+                    (20 if N > 1 else 16) * adapters)]  # (one process: no DDP, no buckets)
         transients = [logits, one_block]
     elif parallel == "fsdp":  # FSDP2: fully_shard per decoder layer + root; bf16 params, fp32 reduce
         learner = [(f"fp32 master weights (1/{N})", 4 * P // N), (f"fp32 grads, trainable (1/{N})", 4 * Pt // N),
