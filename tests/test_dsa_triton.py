@@ -182,7 +182,7 @@ def wrong_gqa(k):
 # slow, and the suite must stay under 10 minutes on 2 cores)
 @pytest.mark.parametrize("B,H,Hkv", [(1, 4, 2)])  # (H = Hkv: test_backward_fp32_matches_autograd's first case)
 def test_forward_fp32_values_lse_probs(B, H, Hkv):
-    q, k, v, idx, valid = make_inputs(B=B, H=H, Hkv=Hkv, seed=H)
+    q, k, v, idx, valid = make_inputs(B=B, H=H, Hkv=Hkv, seed=H, T=16, topk=12)
     scale = 16 ** -0.5
     assert (~valid).any() and valid.sum(-1).min() < valid.shape[-1]  # early queries: some slots invalid
     ref, lse_ref, p_ref, _ = reference(q, k, v, idx, valid, scale, probs=True)
@@ -201,7 +201,7 @@ def test_forward_fp32_values_lse_probs(B, H, Hkv):
 
 
 def test_forward_bf16():
-    q, k, v, idx, valid = make_inputs(B=1, H=4, Hkv=2, dtype=torch.bfloat16, seed=3)
+    q, k, v, idx, valid = make_inputs(B=1, H=4, Hkv=2, dtype=torch.bfloat16, seed=3, T=16, topk=12)
     scale = 16 ** -0.5
     ref, lse_ref, p_ref, _ = reference(q, k, v, idx, valid, scale, probs=True)
     out, p = dsa_triton.sparse_attention(q, k, v, idx, valid, scale, return_probs=True)
@@ -288,7 +288,7 @@ def test_backward_fp32_matches_autograd(monkeypatch, B, H, Hkv, chunk_rows):
 
 
 def test_backward_bf16():
-    q, k, v, idx, valid = make_inputs(B=1, H=8, Hkv=2, dtype=torch.bfloat16, seed=13)
+    q, k, v, idx, valid = make_inputs(B=1, H=8, Hkv=2, dtype=torch.bfloat16, seed=13, T=16, topk=12)
     scale = 16 ** -0.5
     dout = torch.randn(q.shape).bfloat16()
     q, k, v = (x.requires_grad_() for x in (q, k, v))
