@@ -186,7 +186,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     lora_cfg: model.lora's lora.LoRAConfig (None: none): RL's learner holds a frozen bf16 base and fp32 adapters with
     their gradients and AdamW state (the warm-up stages, if any, train the whole model: plan them without it), and
     the generator fp32 adapters beside its weights.
-    colocate: one GPU per process for both halves in turn (colocate.py); the plan's phases (colocate_phases) are what
+    colocate: one GPU per process for both halves in turn (colocate.py); the plan's phases (MemoryPlan.phases) are what
     must fit. offload: the learner's fp32 masters and AdamW state leave the GPU while the engine generates.
     Beside each step-time peak, the load-time one: the weights as model.GLM.from_pretrained allocates them."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
@@ -300,8 +300,10 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
             prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
         steps = [(f"prefill of {M} packed tokens", prefill)]
         rows = B * (S // BLOCK_SIZE + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
+        shares = shared and lora_cfg is not None  # the engine decodes on the learner's base (lora.share_base)
         generator = [(("fp8 weights (decoder linears e4m3 + block scales, the rest bf16)" if fp8 else
-                       "bf16 weights (indexer weights_proj, k_norm fp32)"), weights),
+                       "bf16 weights (indexer weights_proj, k_norm fp32)") + (": the learner's base, counted there"
+                                                                               if shares else ""), 0 if shares else weights),
                      (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
                      (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
         if lora_cfg is not None:
@@ -338,7 +340,6 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         stays += [("DDP gradient buckets (kept)", buckets)] if buckets else []
         state = [(f"learner's fp32 masters + AdamW{part}" + ("" if lora_cfg is None else " (adapters)"), resident)]
         engine_own = generator[1:] if lora_cfg is not None else generator  # LoRA: the weights are the base above
-        largest = 4 * max(p.numel() for p in named.values())  # a checkpoint gathers one fp32 tensor at a time
         settings["phases"] = [
             ("load: the learner's weights (the engine has none until the first publish" + (
                 ", but fp8's load to be quantized)" if fp8 else ")"), learner_load + (generator_load[:-1] if fp8 else [])),
@@ -347,7 +348,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
             ("train: the learner's step (the engine's KV pool and unshared weights released)", learner),
             ("checkpoint (and the first publish): the learner's state beside the engine's weights, no KV pool",
              ([] if lora_cfg is not None else generator[:1]) + stays + state
-             + [("one gathered fp32 tensor", largest), ("CUDA context, NCCL, fragmentation", OVERHEAD)])]
+             + [("a checkpoint's one gathered fp32 tensor", 4 * big), ("CUDA context, NCCL, fragmentation", OVERHEAD)])]
         settings["pinned_host"] = sum(b for _, b in state) if offload else 0
     settings |= dict(fp8_saved=2 * P + 2 * P32 - weights, shared=shared, colocate=colocate, lora=lora_cfg is not None,
                      offload=offload, learner_gpus=N, parallel=parallel, gradient_checkpointing=gradient_checkpointing,

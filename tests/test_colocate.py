@@ -25,7 +25,7 @@ SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=6)
 def tiny(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     return GLM(GLMConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim=8, dsa=DSA)).to(dtype)
+                         head_dim=8, dsa=DSA)).cast_(dtype)  # (dsa.FP32_PARAMS stay fp32, as on a GPU)
 
 
 def step(model, optimizer):
@@ -110,19 +110,21 @@ def test_release_waits_for_the_running_call_to_end():
     assert not releasing.is_alive() and engine.pool is None
 
 
-def test_with_lora_the_engine_decodes_on_the_learners_base_itself():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: the base as a GPU's learner holds it
+def test_with_lora_the_engine_decodes_on_the_learners_base_itself(dtype):
     """lora.share_base: the engine's base weights are the learner's tensors (no copy), release() keeps them, and an
-    adapters-only publish refills the released adapters; the tokens are those of an engine with its own full copy."""
+    adapters-only publish refills the released adapters (fp32); the tokens are those of an engine with its own full
+    copy."""
     cfg = LoRAConfig(rank=4)
-    learner = lora.add(tiny(), cfg)
+    learner = lora.add(tiny(dtype=dtype), cfg)
     for _, p in lora.adapter_named(learner):
         p.data.normal_(0, 0.1)  # trained adapters
-    engine = TorchEngine(lora.add(tiny(seed=1), cfg), max_batch=2)
+    engine = TorchEngine(lora.add(tiny(seed=1, dtype=dtype), cfg), max_batch=2)
     assert lora.share_base(engine, learner)
     base = {n: p for n, p in learner.named_parameters() if not n.endswith((".lora_A", ".lora_B"))}
     assert all(engine._params[n].data_ptr() == p.data_ptr() for n, p in base.items())
     engine.update_weights(lora.adapter_named(learner), 1)
-    copy = TorchEngine(lora.add(tiny(seed=2), cfg), max_batch=2)
+    copy = TorchEngine(lora.add(tiny(seed=2, dtype=dtype), cfg), max_batch=2)
     publish(copy, learner, 1)
     want = out(copy)
     assert out(engine) == want
