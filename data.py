@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 from math_verify import parse, verify
 
-import hub
 
 log = logging.getLogger(__name__)
 # math-verify only warns about its own timeouts, which we switch off and replace (see math_reward).
@@ -235,7 +234,7 @@ def spec_path(spec):
 
 
 def load_examples(source, tokenizer, keys, *, split, seed, sft, chat_template, max_prompt_tokens, verbose=True,
-                  openings=None):
+                  openings=None, files_of=None):
     """The examples of one data source (a JSONL or Parquet file, or "synthetic") whose prompts fit max_prompt_tokens.
     source: the file, or a mapping {path: file, prompt_key: ..., label_key: ...} whose keys win over the data
     section's (data.eval's sets). keys: the config's data section (prompt_key, label_key, response_key, dedup,
@@ -243,7 +242,8 @@ def load_examples(source, tokenizer, keys, *, split, seed, sft, chat_template, m
     split). Every prompt is tokenized here, at start-up, so that an impossible setting fails in seconds: overlong
     eval prompts, or no train prompt that fits, are an error; overlong train prompts are skipped with one line.
     openings (with data.env): the examples' prompt ids, their env's reset() rendered; prompt and label keys are
-    then the env's business, not required here."""
+    then the env's business, not required here. files_of(path, key): the local files of a path (train.py hands in
+    hub.data_files, which maps a Hub dataset id to its cached files); None: the path itself."""
     size = keys.train_size if split == "train" else keys.eval_size
     path, own = spec_path(source), source if isinstance(source, dict) else {}
     if path in SYNTHETIC:
@@ -253,7 +253,8 @@ def load_examples(source, tokenizer, keys, *, split, seed, sft, chat_template, m
     else:
         response = keys.response_key if split == "train" and sft else None
         prompt_key, label_key = own.get("prompt_key", keys.prompt_key), own.get("label_key", keys.label_key)
-        files = hub.data_files(path, "data.train" if split == "train" else "data.eval")  # a Hub id: its cached files
+        key = "data.train" if split == "train" else "data.eval"
+        files = files_of(path, key) if files_of else [path]  # a Hub id: its cached files
         examples = load_rows(files, None if openings else prompt_key, None if openings else label_key, response,
                              dedup=keys.dedup, verbose=verbose)[:size]
     lengths = [len(p) for p in openings(examples)] if openings else prompt_lengths(tokenizer, examples, chat_template)
@@ -394,7 +395,7 @@ def load_object(spec, key):
     """What spec, "module:name", names: a reward function (data.reward) or an env class (data.env), from
     the working directory, the repository root or an installed package. Every problem is one ValueError
     line starting with the config key."""
-    kind, example = ("class", '"env:Calculator" or "my_envs:Search"') if key == "data.env" else \
+    kind, example = ("class", '"machinery.env:Calculator" or "my_envs:Search"') if key == "data.env" else \
         ("function", '"data:math_reward" or "my_rewards:length_penalty"')
 
     def fail(what):

@@ -32,9 +32,11 @@ copy of the model (`FP32_PARAMS`), as DeepSeek-V3.2's reference keeps them. The 
 rounded to the compute dtype before scoring, on both sides: that is how the generator's cache holds k.
 
 Kernels. On CUDA, scoring (in select_topk) and sparse attention (training, its backward, and decode)
-run the Triton kernels of dsa_triton.py, which compute exactly what the functions here compute without
-materialising gathered keys or per-head scores; `USE_TRITON = False` (config `model.dsa_kernels:
-false`) keeps this file's plain-PyTorch path, which is also the CPU path and the tests' reference.
+run the Triton kernels of kernels/dsa_triton.py, which compute exactly what the functions here compute
+without materialising gathered keys or per-head scores; `USE_TRITON = False` (config `model.dsa_kernels:
+false`) keeps this file's plain-PyTorch path, which is also the CPU path and the tests' reference. So a
+research edit here (a new score, another selection) reaches a GPU run only with model.dsa_kernels: false,
+or once the kernel does the same: tests/test_dsa_triton.py holds the two to each other.
 
 Masks are passed as objects with a `.dense(q0, q1) -> bool [B|1, q1-q0, Tk]` method (model.AttnMask),
 so nothing here materialises a [T, T] matrix for more than one chunk of queries at a time.
@@ -47,17 +49,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import dsa_triton
+from kernels import dsa_triton
 
 # Work is split into query chunks so that no intermediate exceeds ~2^24 elements (64 MiB in fp32);
-# sparse attention's gathered keys get a cache-sized block on CPU, 64x that on GPU.
+# sparse attention's gathered keys get blocks of 2^22 elements on CPU (cache-sized), GATHER_GPU_FACTOR x that on GPU.
 CHUNK_ELEMENTS = 1 << 24
 GATHER_ELEMENTS = 1 << 22
 GATHER_GPU_FACTOR = 16
 # Parameter names (suffixes) kept in fp32 in every copy of the model: the learner's bf16 FSDP gather and
-# the generator's bf16 weights leave them alone (model.py, train.py).
+# the generator's bf16 weights leave them alone (model.py, machinery/parallel.py and engine.py).
 FP32_PARAMS = ("indexer.weights_proj.weight", "indexer.k_norm.weight", "indexer.k_norm.bias")
-USE_TRITON = True  # the Triton kernels wherever dsa_triton.available() (CUDA tensors)
+USE_TRITON = True  # the Triton kernels (kernels/dsa_triton.py) wherever dsa_triton.available() (CUDA tensors)
 
 
 def _triton(t):

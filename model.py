@@ -195,7 +195,7 @@ class Packed:
     """The sequences of packed rows, regrouped for attention. The learner packs sequences end to end
     into rows without padding, so that projections and MLPs do no wasted work; attention, though, must
     stay inside each sequence, and one causal call over the row with a document mask would score
-    (sum_i L_i)^2 pairs where sum_i L_i^2 are needed (130x more for 128 sequences of 11 tokens), and no
+    (sum_i L_i)^2 pairs where sum_i L_i^2 are needed (128x more for 128 sequences of 11 tokens), and no
     flash kernel takes such a mask. So attention takes each group of similar-length sequences as a
     right-padded batch [n, L]: a plain causal call (flash on GPU, no mask), exact for the real tokens,
     whose causal window never reaches the padding after them. DSA's top-k and its sparse/dense choice

@@ -1,7 +1,26 @@
 """
 RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner
-trains, and eval on the same engine. engine.py samples; env.py plays each trajectory's episode (one turn
-graded by the reward hook, or many turns with data.env), and this file groups them.
+trains, and eval on the same engine. The engine (machinery/engine.py) samples; the episode loop
+(machinery/env.py: env.run_episodes) plays each trajectory turn by turn on it, and this file grades and
+groups them. Every trajectory is an episode of an env, single-turn math included:
+
+    single turn (no data.env): SingleTurn, below: the prompt, one model turn, then the reward hook
+        reward = data.reward(response_text, example)       # default data.math_reward; any "module:function"
+    many turns (data.env: "module:Class", the README's Lookup is an example): one instance per trajectory,
+        class MyEnv:
+            tools: list[dict] = []             # optional JSON schemas, passed to apply_chat_template(tools=...)
+            def __init__(self, example): ...   # one episode; the whole JSONL object, every field kept
+            def reset(self) -> list[dict]: ... # the opening chat messages: [{"role": "user", "content": ...}]
+            def step(self, text): ...          # after each model turn, its decoded text -> (messages to append,
+                                               #   reward, done) or (..., info): {"tool_calls", "void", "tool_io"}
+            def close(self): ...               # optional; called for every episode, finished, cut or cancelled
+            @classmethod
+            def setup(cls, **env_args): ...    # optional; once per process, before the model loads (data.env_args)
+            @classmethod
+            def teardown(cls): ...             # optional; at exit
+    The reward is the one of the step that ends the trajectory. A tool's answer enters the trajectory as the
+    ids its messages add to the conversation (rendered once, never re-tokenized; machinery/env.py): context for
+    the next turn, never scored: Sample.spans marks the model's turns, the only tokens the learner scores.
 
     prompts --> [Generator thread] --env.run_episodes (n per prompt, turn by turn)--> groups --> RolloutBatch
                        ^                                                                      |
@@ -53,16 +72,45 @@ import traceback
 from dataclasses import dataclass, field, replace
 
 import grpo
-from data import eval_metrics, math_reward
-from engine import SamplingParams
-from env import Episode, Limits, SingleTurn, dump_record, run_episodes, single_turn
+from data import eval_metrics, math_reward, render_prompt
+from machinery import env
+from machinery.engine import SamplingParams
+from machinery.env import Episode, TooManyFailures, dump_record, run_episodes
+from machinery.parallel import all_gather, rank, world
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
 # is topped up with such groups (zero advantage, so they add nothing to the gradient).
 MAX_SAMPLING_ROUNDS = 4
-TRUNCATED = ("keep", "zero", "mask")  # what rollout.truncated may say
 MAX_WARNINGS = 5  # env failures printed per batch (all are counted: rollout/env_failures)
+
+
+# ----------------------------------------------------------------------------- single turn: the reward call
+
+
+class SingleTurn:
+    """The reward hook as an env: the prompt as the user's message, one model turn, graded, done. What runs
+    when data.env is not set (single_turn binds data.reward); its prompt is the example's, rendered by
+    data.render_prompt. The episode loop calls step() on a worker thread with a deadline (rollout.env_timeout_s),
+    so a reward that raises or hangs fails its trajectory instead of the run."""
+    tools: list = []
+    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
+    one_turn = True  # nothing follows the first turn: its KV is never parked
+    reward_fn = staticmethod(math_reward)
+
+    def __init__(self, example):
+        self.example = example
+
+    def reset(self):
+        return self.example["prompt"]  # a string or messages
+
+    def step(self, text):
+        return [], float(self.reward_fn(text, self.example)), True  # the reward call: (text, the JSONL object)
+
+
+def single_turn(reward_fn):
+    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
+    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
 
 
 # ----------------------------------------------------------------------------- the generator thread
@@ -83,10 +131,17 @@ class Sample:
     spans: list | None = None
     turns: int = 1
 
+    def row(self):
+        """(prompt + response ids, the (start, length) spans the learner scores: the model's tokens)."""
+        at = len(self.prompt_ids)
+        spans = [(at, len(self.response_ids))] if self.spans is None else [(at + a, n) for a, n in self.spans]
+        return self.prompt_ids + self.response_ids, spans
+
 
 @dataclass
 class RolloutBatch:
-    samples: list[Sample]  # prompts_per_step groups of n, each group contiguous
+    samples: list[Sample]  # this rank's prompts_per_step / world groups, each contiguous; a group may have lost
+    # failed trajectories (fewer than n, more than n / 2 left)
     index: int  # batch number: the learner trains batch i at step i
     stream_state: dict  # PromptStream state after this batch's prompts were drawn (for resume)
     metrics: dict = field(default_factory=dict)
@@ -101,34 +156,29 @@ class Generator:
     land are this file's docstring; with max_staleness 1 the learner loses nothing by publish() waiting
     for batch v: its next step needs exactly that batch."""
 
-    def __init__(self, engine, stream, tokenizer, *, prompts_per_step: int, n: int, sampling: SamplingParams,
-                 max_staleness: int, dynamic_sampling: bool, oversample: float, chat_template: bool,
-                 max_prompt_tokens: int, reward_fn=math_reward, env_cls=None, limits: Limits | None = None,
-                 seed: int = 0, first_index: int = 0, partial_rollout: bool = False, truncated: str = "keep",
-                 max_failures: float = 0.5, run_dir: str | None = None, dump_fraction: float = 0.0,
-                 rank: int = 0, world: int = 1, ready: list = ()):
-        """env_cls: data.env's class (None: the reward hook, one turn); limits: its episodes' limits (None:
-        one turn of sampling.max_new_tokens); max_failures: rollout.max_failure_fraction; run_dir: where env
-        failures' tracebacks and the rollout dump (dump_fraction of each batch) go; rank and world name this
-        process's examples by their index among all the run's (rank r holds examples r::world)."""
+    def __init__(self, engine, stream, tokenizer, r, sampling: SamplingParams, *, env_cls, seed: int = 0,
+                 first_index: int = 0, end: int | None = None, rank: int = 0, world: int = 1, run_dir: str | None = None,
+                 ready: list = ()):
+        """r: the config's rollout section (config.RolloutConfig: prompts_per_step, n, max_staleness, dynamic
+        sampling, truncated, the episodes' limits, ...); sampling: its SamplingParams with the turn's stop ids;
+        env_cls: data.env's class, or single_turn(data.reward); run_dir: where env failures' tracebacks and the
+        rollout dump go; first_index: the learner's version (on resume: batches before it were trained), end: the
+        batch number to stop at (train.rl_steps; None: run until stop()); ready: batches a checkpoint kept; rank and
+        world: this process's share (prompts_per_step / world groups, from examples r::world, the stream's)."""
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
-        self.prompts_per_step, self.n, self.sampling = prompts_per_step, n, sampling
-        self.max_staleness, self.dynamic_sampling, self.oversample = max_staleness, dynamic_sampling, oversample
-        self.chat_template, self.streams = chat_template, hasattr(engine, "session") or hasattr(engine, "stream")
-        self.env_cls = env_cls or single_turn(reward_fn)
-        self.limits = replace(limits or Limits(sampling.max_new_tokens, sampling.max_new_tokens, 1),
-                              max_prompt_tokens=max_prompt_tokens)
-        self.seed, self.partial_rollout = seed, partial_rollout
-        if truncated not in TRUNCATED:
-            raise ValueError(f"rollout.truncated must be one of {TRUNCATED}, got {truncated!r}")
-        self.truncated, self.max_failures, self.run_dir, self.dump_fraction = truncated, max_failures, run_dir, dump_fraction
+        self.prompts_per_step, self.n, self.sampling = r.prompts_per_step // world, r.n, sampling
+        self.max_staleness, self.dynamic_sampling, self.oversample = r.max_staleness, r.dynamic_sampling, r.oversample
+        self.chat_template, self.streams = r.chat_template, hasattr(engine, "session") or hasattr(engine, "stream")
+        self.env_cls, self.limits = env_cls, env.limits_of(r, sampling.max_new_tokens)
+        self.seed, self.partial_rollout, self.truncated = seed, r.partial_rollout, r.truncated
+        self.max_failures, self.run_dir, self.dump_fraction = r.max_failure_fraction, run_dir, r.dump_fraction
         self.rank, self.seen_failures = rank, set()
         self.index_of = {id(ex): rank + world * i for i, ex in enumerate(stream.examples)}
-        self.queue = queue.Queue(maxsize=max_staleness + 1)
+        self.queue = queue.Queue(maxsize=self.max_staleness + 1)
         for batch in ready:
             self.queue.put(batch)
-        self.index = first_index + len(ready)  # next batch to produce
-        self.version = engine.version  # the gate's version: the last publish's (the engine's own may run ahead: colocate)
+        self.index, self.end = first_index + len(ready), end  # the next batch to produce; the one to stop at
+        self.version = first_index  # the gate's version: the last open()'s (the engine's own runs ahead of it)
         self.gate = threading.Condition()
         self.stopping = threading.Event()
         self.error = None
@@ -150,14 +200,19 @@ class Generator:
         self.engine.resume()
 
     def publish(self, named_tensors, version: int):
-        """Called by the learner after each optimizer step: new weights, and the gate opens. Co-located
-        (colocate.py), the learner has put them in the engine itself and publishes none: the gate opens once
-        its state has left the device."""
+        """Called by the learner after each optimizer step: the new weights reach the engine. By default they land
+        between batches: first wait until the batches that older weights must sample are done (batch
+        version + max_staleness - 1; this file's docstring). With partial_rollout, at once."""
         with self.gate:
-            while not (self.partial_rollout or self.index >= version + self.max_staleness or self.stopping.is_set()
+            until = version + self.max_staleness if self.end is None else min(version + self.max_staleness, self.end)
+            while not (self.partial_rollout or self.index >= until or self.stopping.is_set()
                        or self.error is not None or not self.thread.is_alive()):
                 self.gate.wait(0.1)
         self.engine.update_weights(named_tensors, version)
+
+    def open(self, version: int):
+        """The staleness gate: batches up to version + max_staleness may start. The learner opens it after its
+        step's eval and checkpoint, so those never share the engine (co-located: the GPU) with a batch."""
         with self.gate:
             self.version = version
             self.gate.notify_all()
@@ -190,7 +245,7 @@ class Generator:
 
     def _run(self):
         try:
-            while not self.stopping.is_set():
+            while not self.stopping.is_set() and (self.end is None or self.index < self.end):
                 t0 = time.perf_counter()
                 with self.gate:  # bounded staleness: wait for version >= index - max_staleness
                     while self.version < self.index - self.max_staleness and not self.stopping.is_set():
@@ -346,11 +401,7 @@ class Generator:
         os.replace(path + ".tmp", path)
 
 
-class TooManyFailures(RuntimeError):
-    """More of a batch's trajectories failed in the env than rollout.max_failure_fraction allows."""
-
-
-def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, limits: Limits, env_cls,
+def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, limits: env.Limits, env_cls,
              chat_template: bool, seed=0) -> dict:
     """Accuracy and pass@k of the engine's current weights on held-out examples: n trajectories each, played
     with the env as in RL (a failed one scores 0). With an env also its turns and tool calls per trajectory."""
@@ -364,3 +415,49 @@ def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, l
                 "tool_call_rate": sum(ep.tool_calls > 0 for ep in eps) / len(eps),
                 "env_failure_rate": sum(ep.failure is not None for ep in eps) / len(eps)}
     return out
+
+
+def sampling_params(cfg, model, tokenizer, max_new_tokens) -> SamplingParams:
+    """A turn's sampling: the rollout temperature, ended at eos or (with an env) where the chat format hands over:
+    <|observation|> (a tool), <|user|>."""
+    stop_ids = tuple(sorted({*model.cfg.eos_token_id, tokenizer.eos_token_id, *(env.turn_ends(tokenizer) if cfg.data.env else ())}))
+    return SamplingParams(cfg.rollout.temperature, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+
+
+def run_eval(cfg, engine, tokenizer, sets, stop_ids, env_cls) -> dict:
+    """Every eval set (data.eval) at train.eval_temperature, and greedily: eval/<set>/<metric>. Each rank evaluates
+    every world()-th example on its own engine; accuracy and pass@k are means over prompts, so the prompt-weighted
+    mean of the ranks' numbers is that of the whole set."""
+    t = cfg.train
+    temp = cfg.rollout.temperature if t.eval_temperature is None else t.eval_temperature
+    runs = [("", temp, t.eval_n if temp > 0 else 1)] + ([("greedy_", 0.0, 1)] if t.eval_greedy and temp > 0 else [])
+    out = {}
+    for name, examples in sets.items():
+        mine = examples[rank()::world()]
+        for prefix, temperature, n in runs:
+            sampling = SamplingParams(temperature, max_new_tokens=t.eval_max_new_tokens, stop_token_ids=stop_ids)
+            m = evaluate(engine, mine, tokenizer, n=n, sampling=sampling, seed=cfg.seed, env_cls=env_cls, chat_template=
+                         cfg.rollout.chat_template, limits=env.limits_of(cfg.rollout, t.eval_max_new_tokens)) if mine else {}
+            if prefix:
+                m = {"accuracy": m["accuracy"]} if m else {}
+            parts = [(k, pm) for k, pm in all_gather((len(mine), m)) if k]
+            total = sum(k for k, _ in parts)
+            out |= {f"eval/{name}/{prefix}{key}": sum(k * pm[key] for k, pm in parts) / total for key in parts[0][1]}
+    return out
+
+
+def sft_rows(cfg, tokenizer, examples, env_cls):
+    """[(prompt + reference response + eos, its scored span)]: what the supervised warm-up learns from. With data.env
+    a reference is the model's turns of a trace, played through the env as an RL episode is (env.traces): (its
+    tokens, the spans of the model's turns), so the warm-up learns only the model's; None for a failed trace."""
+    if not cfg.data.env:
+        prompts = [render_prompt(tokenizer, ex["prompt"], cfg.rollout.chat_template) for ex in examples]
+        answers = [tokenizer.encode(ex["solution"], add_special_tokens=False) + [tokenizer.eos_token_id] for ex in examples]
+        return [(p + a, [(len(p), len(a))]) for p, a in zip(prompts, answers)]
+    turns = [ex["solution"] if isinstance(ex["solution"], list) else [ex["solution"]] for ex in examples]
+    stop = env.handoff_token(tokenizer) if any(len(t) > 1 for t in turns) else None
+    eps = env.traces(env_cls, examples, turns, tokenizer, env.limits_of(cfg.rollout, cfg.rollout.max_new_tokens), stop,
+                     tokenizer.eos_token_id, cfg.rollout.chat_template)
+    for ep in (ep for ep in eps if ep.failure is not None):  # a flaky env: skipped now, tried again when drawn again
+        print(f"[train] the supervised trace of example {ep.example!r:.60} failed, skipped: {ep.failure}", flush=True)
+    return [None if ep.failure else (ep.prompt + ep.response, [(len(ep.prompt) + a, n) for a, n in ep.spans]) for ep in eps]

@@ -147,7 +147,7 @@ def triton_select_topk(iq, iw, ik, topk, chunk):
     """dsa.select_topk for a causal mask with dsa_triton's scores: the same chunking over queries (larger
     chunks: no [B, c, H_I, Tk] intermediate), keys after the chunk's last query skipped, the same
     tie-free torch.topk. Returns idx, valid [B, T, K] and the seconds spent in the scores kernel."""
-    import dsa_triton
+    from kernels import dsa_triton
     B, T = iq.shape[:2]
     K = min(topk, T)
     idx = torch.zeros(B, T, K, dtype=torch.long, device=iq.device)
@@ -164,7 +164,7 @@ def triton_select_topk(iq, iw, ik, topk, chunk):
 
 def triton_main(args):
     """Dense causal SDPA vs DSA on dsa_triton's kernels: forward, and forward + backward (q, k, v)."""
-    import dsa_triton
+    from kernels import dsa_triton
     if args.quick:  # tiny: also runs on CPU under TRITON_INTERPRET=1 (the interpreter is slow)
         args.lengths, args.heads, args.kv_heads, args.head_dim, args.topk = "64,128", 4, 2, 16, 32
         args.index_heads, args.index_dim, args.repeat = 2, 16, 1
@@ -252,7 +252,7 @@ def triton_main(args):
 def check_against_reference(iq, iw, ik, q, k, v, sel, topk, scale):
     """Print how the Triton path compares with dsa.py's (select_topk on its fp32 scores, sparse_attention
     on the same indices): the share of identical selections and the output's max error."""
-    import dsa_triton
+    from kernels import dsa_triton
     T = q.shape[1]
     with torch.no_grad():
         idx, valid = dsa.select_topk(iq, iw, ik, AttnMask(torch.arange(T, device=q.device), T), topk)

@@ -31,11 +31,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # first, before bench/ itself: bench/engine.py must not shadow engine.py
-import config  # noqa: E402
-import lora  # noqa: E402
+from machinery import config  # noqa: E402
+from machinery import lora  # noqa: E402
 from bench import write_results  # noqa: E402
 from bench.gpu_memory import architecture  # noqa: E402
-from memory import OVERHEAD, GiB, memory_plan  # noqa: E402
+from machinery.memory import OVERHEAD, GiB, memory_plan  # noqa: E402
 from model import GLMConfig  # noqa: E402
 
 PHASES = ("generate", "to_learner", "train", "publish", "to_generator")
@@ -53,10 +53,10 @@ def plan_phases(args, arch, mode):
 
 
 def run_mode(args, arch, mode, log):
-    import colocate
-    import parallel
+    from machinery import colocate
+    from machinery import parallel
     import train
-    from engine import SamplingParams, TorchEngine
+    from machinery.engine import SamplingParams, TorchEngine
     from model import GLM
     from rollout import RolloutBatch, Sample
 

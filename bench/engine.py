@@ -44,8 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig, KVCache  # noqa: E402
-import engine  # noqa: E402
-from engine import Completion, SamplingParams, TorchEngine  # noqa: E402
+from machinery import engine  # noqa: E402
+from machinery.engine import Completion, SamplingParams, TorchEngine  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 

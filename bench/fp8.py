@@ -40,8 +40,8 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # first, before bench/ itself: bench/engine.py must not shadow engine.py
-import config  # noqa: E402
-import fp8  # noqa: E402
+from machinery import config  # noqa: E402
+from machinery import fp8  # noqa: E402
 from bench import write_results  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
 

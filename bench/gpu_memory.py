@@ -42,9 +42,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # first, before bench/ itself: bench/engine.py must not shadow engine.py
-import config  # noqa: E402
+from machinery import config  # noqa: E402
 from bench import write_results  # noqa: E402
-from memory import OVERHEAD, GiB, memory_plan  # noqa: E402
+from machinery.memory import OVERHEAD, GiB, memory_plan  # noqa: E402
 from model import GLMConfig  # noqa: E402
 
 DSA = dict(topk=2048, heads=32, head_dim=128, rope_dim=64, pattern="FSSS")  # configs/glm9b_math.yaml's example
@@ -121,9 +121,9 @@ def markdown(result):
 def measure(args, arch, plan, log):
     """Run the phases on cuda -> (per-phase (peak, resident) bytes, counted item bytes)."""
     import dsa
-    import parallel
+    from machinery import parallel
     import train
-    from engine import SamplingParams, TorchEngine
+    from machinery.engine import SamplingParams, TorchEngine
     from model import GLM
     from rollout import RolloutBatch, Sample
 

@@ -131,7 +131,7 @@ def hf_step(model, optimizer, samples, adv):
 
 def hf_part(repeat):
     """[(shape, tokens, ours tokens/s, transformers tokens/s)] on one model, ours loaded from its weights."""
-    import config
+    from machinery import config
     import train
     from model import GLM
     from rollout import RolloutBatch

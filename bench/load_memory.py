@@ -60,7 +60,7 @@ class Peak:
 def worker(ckpt, mode, out):
     """One rank: load the checkpoint in `mode`, report (baseline, peak, after) RssAnon and its shard bytes."""
     import torch
-    import parallel
+    from machinery import parallel
     torch.set_num_threads(1)
     parallel.init_processes(torch.device("cpu"))
     if mode == "before":  # the old model.py, imported under another name from the commit before the change

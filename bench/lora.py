@@ -23,12 +23,12 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import lora  # noqa: E402
+from machinery import lora  # noqa: E402
 from bench import write_results  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
-from config import PUBLISHED  # noqa: E402
-from engine import TorchEngine  # noqa: E402
-from lora import LoRAConfig  # noqa: E402
+from machinery.config import PUBLISHED  # noqa: E402
+from machinery.engine import TorchEngine  # noqa: E402
+from machinery.lora import LoRAConfig  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
 
 

@@ -24,14 +24,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # first, before bench/ itself: bench/engine.py must not shadow engine.py
-import config  # noqa: E402
+from machinery import config  # noqa: E402
 import data  # noqa: E402
-import fp8  # noqa: E402
+from machinery import fp8  # noqa: E402
 import grpo  # noqa: E402
-import parallel  # noqa: E402
+from machinery import parallel  # noqa: E402
 import train  # noqa: E402
 from bench import write_results  # noqa: E402
-from engine import SamplingParams, TorchEngine  # noqa: E402
+from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
 
 GENERATORS = [("fp32", torch.float32, None), ("bf16", torch.bfloat16, None), ("fp8", torch.bfloat16, "fp8")]

@@ -47,13 +47,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # first, before bench/ itself: bench/engine.py must not shadow engine.py
-import config  # noqa: E402
+from machinery import config  # noqa: E402
 from bench import write_results  # noqa: E402
 import dsa  # noqa: E402
-import dsa_triton  # noqa: E402
-import parallel  # noqa: E402
+from kernels import dsa_triton  # noqa: E402
+from machinery import parallel  # noqa: E402
 import train  # noqa: E402
-from engine import SamplingParams, TorchEngine  # noqa: E402
+from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
 
 # Shapes. Each: the model (GLMConfig fields), its DSA variant's indexer, and the token layout.

@@ -41,14 +41,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import config  # noqa: E402
+from machinery import config  # noqa: E402
 import dsa  # noqa: E402
-import fp8  # noqa: E402
-import parallel  # noqa: E402
+from machinery import fp8  # noqa: E402
+from machinery import parallel  # noqa: E402
 import train  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
-from engine import SamplingParams, TorchEngine  # noqa: E402
+from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from rollout import RolloutBatch, Sample  # noqa: E402
 
 # Defaults per preset; a flag given on the command line wins. --tiny keeps the CPU run under ~1 GB.

@@ -32,8 +32,8 @@ sys.path.insert(0, ROOT)
 from bench import write_results  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from data import make_tiny_tokenizer  # noqa: E402
-from engine import SamplingParams, TorchEngine  # noqa: E402
-from env import Episode, Limits, run_episodes  # noqa: E402
+from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
+from machinery.env import Episode, Limits, run_episodes  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
 
 TURNS = 8

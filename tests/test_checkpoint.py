@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-import checkpoint
-import config
+from machinery import checkpoint
+from machinery import config
 import data
 from model import GLM, GLMConfig
 

@@ -11,10 +11,10 @@ import weakref
 import pytest
 import torch
 
-import lora
-from colocate import Handoff, offloaded_tensors
-from engine import SamplingParams, TorchEngine
-from lora import LoRAConfig
+from machinery import lora
+from machinery.colocate import Handoff, offloaded_tensors
+from machinery.engine import SamplingParams, TorchEngine
+from machinery.lora import LoRAConfig
 from model import GLM, GLMConfig
 
 DSA = {"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}

@@ -1,6 +1,7 @@
 """Tests for config.py: loading YAML + overrides, one-line errors naming the key, every value checked
 against its domain, the recipes stating only what differs from the documented defaults, what --resume
 may change, and the dry-run memory plan."""
+import glob
 import os
 import re
 import subprocess
@@ -10,8 +11,8 @@ from dataclasses import fields
 import pytest
 import yaml
 
-import config
-from config import ConfigError, load_config
+from machinery import config
+from machinery.config import ConfigError, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -111,7 +112,7 @@ def test_eval_sets_with_their_own_keys_and_answer_line():
                                      "syn": "synthetic"}
     assert cfg.data.answer_line and cfg.data.dedup and "data.dedup" not in config.SAFE_ON_RESUME  # the data changes
     for override, why in [("data.reward=my_rewards:f", "data.reward is 'my_rewards:f'"),
-                          ("data.env=env:Calculator", "data.env is 'env:Calculator': the env grades")]:
+                          ("data.env=machinery.env:Calculator", "data.env is 'machinery.env:Calculator': the env grades")]:
         with pytest.raises(ConfigError) as e:  # a key that would be ignored is an error
             load_config(TINY, ["data.answer_line=true", override])
         assert str(e.value) == (f"{TINY} + command line: data.answer_line is read by the built-in grader only "
@@ -156,7 +157,7 @@ def test_every_key_has_its_default_documented_once():
     on its line, or on the lines just above it."""
     for cls in (config.ModelConfig, config.DataConfig, config.RolloutConfig, config.OptimConfig, config.TrainConfig,
                 config.Config, config.GRPOConfig):
-        src = open(os.path.join(ROOT, cls.__module__ + ".py")).read().splitlines()
+        src = open(os.path.join(ROOT, cls.__module__.replace(".", os.sep) + ".py")).read().splitlines()
         body = src[next(i for i, line in enumerate(src) if line.startswith(f"class {cls.__name__}")):]
         for f in fields(cls):
             i = next(i for i, line in enumerate(body) if re.match(rf"\s+{f.name}:", line))
@@ -166,9 +167,10 @@ def test_every_key_has_its_default_documented_once():
 def test_every_key_is_read():
     """Every key is read somewhere outside config.py's own definitions (the stages, the engine, the
     objective, the plumbing)."""
-    src = "".join(open(os.path.join(ROOT, n)).read() for n in
-                  ("train.py", "grpo.py", "data.py", "engine.py", "env.py", "rollout.py", "parallel.py", "checkpoint.py"))
-    src += "".join(line for line in open(os.path.join(ROOT, "config.py")) if not re.match(r"\s+\w+: [\w |]+ = ", line))
+    files = ["train.py", "grpo.py", "data.py", "rollout.py"] + glob.glob(os.path.join(ROOT, "machinery", "*.py"))
+    src = "".join(open(os.path.join(ROOT, n)).read() for n in files if not n.endswith(os.path.join("machinery", "config.py")))
+    src += "".join(line for line in open(os.path.join(ROOT, "machinery", "config.py"))
+                   if not re.match(r"\s+\w+: [\w |]+ = ", line))
     for key in config.config_keys():
         assert re.search(rf"\.{key.rpartition('.')[2]}\b", src), f"nothing reads {key}"
 
@@ -185,7 +187,7 @@ def test_glm9b_recipe_numbers():
 
 def dry_run(capsys, *argv):
     """train.py --dry-run in this process: (stdout, the one-line error or None)."""
-    import checkpoint
+    from machinery import checkpoint
     import train
     try:
         checkpoint.run_main(lambda: train.main(["--dry-run", *argv]))
@@ -249,7 +251,7 @@ def test_the_tool_recipe_plans_its_longest_trajectory():
     """configs/glm9b_tool_math.yaml: the plan counts 1024 prompt + 16384 trajectory tokens, in the generator's
     sequences and in the learner's micro-batch (one trajectory longer than the micro-batch budget is one alone)."""
     cfg = load_config(os.path.join(ROOT, "configs", "glm9b_tool_math.yaml"), [])
-    assert cfg.data.env == "tools:PythonMath" and cfg.rollout.env_admit_after is None
+    assert cfg.data.env == "machinery.tools:PythonMath" and cfg.rollout.env_admit_after is None
     plan = config.plan_memory(cfg, cfg.train.pairs)
     text = plan.text(config.H100_BYTES)
     assert "prefill of 17408 packed tokens" in text and text.count("fits in 74.5 GiB") == 2

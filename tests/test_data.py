@@ -276,7 +276,7 @@ def test_load_rows_dedup(tmp_path, capsys):
 def test_eval_set_with_its_own_keys(tmp_path, tok, capsys):
     import os
 
-    import config
+    from machinery import config
     aime = write(tmp_path, '{"problem": "1+1=", "answer": 2}\n{"problem": "2+2=", "answer": 4}\n'
                            '{"problem": "1+1=", "answer": 2}\n', name="aime.jsonl")
     train = write(tmp_path, json.dumps({"q": "3+3=", "reward_model": {"ground_truth": 6}}) + "\n", name="train.jsonl")

@@ -29,7 +29,7 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 import dsa  # noqa: E402
-import dsa_triton
+from kernels import dsa_triton
 from conftest import compile_for_h100  # noqa: E402
 from model import AttnMask  # noqa: E402
 
@@ -398,7 +398,7 @@ def test_available_and_import_without_triton():
 
 
 COMPILE_SCRIPT = """
-import dsa_triton, triton
+from kernels import dsa_triton, triton
 assert dsa_triton._import_triton()  # sets the kernels' global tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -485,7 +485,7 @@ def test_sample_is_engine_sample_tokens(monkeypatch, dtype):
     the same tokens (same hashed noise, same argmax) and logprobs within 1e-6, over several vocabulary
     blocks and a partial one, three temperatures, a [B, 1, V] view's strides, and rows with an inf or a
     NaN logit (uniform draw, logprob NaN). A wrong noise key would change most tokens."""
-    import engine
+    from machinery import engine
     monkeypatch.setattr(dsa_triton, "SAMPLE_BLOCK", 64)
     torch.manual_seed(0)
     B, V = 12, 300
@@ -512,7 +512,7 @@ def test_sample_is_engine_sample_tokens(monkeypatch, dtype):
 def test_sample_noise_is_finite_at_glms_vocabulary(monkeypatch):
     """The kernel on the key and token of test_engine's finite-noise test (a hash with its top 24 bits set):
     the token with logit -60 is not drawn, and the draw is the PyTorch path's."""
-    import engine
+    from machinery import engine
     from test_engine import key_with_a_full_hash
     V = 151552
     key, tok = key_with_a_full_hash(V)
@@ -529,7 +529,7 @@ def test_engine_on_the_kernels_generates_what_pytorch_does(monkeypatch):
     """TorchEngine where the kernels run (CUDA; here the interpreter): paged decode attention on the
     Triton kernel and the fused sampler give the sampled tokens and logprobs of the PyTorch path; so does a
     session's second turn, whose new tokens extend the parked KV through the same kernel."""
-    import engine
+    from machinery import engine
     from model import GLM, GLMConfig
     torch.manual_seed(0)
     m = GLM(GLMConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import engine as engine_mod
-import parallel
-from engine import Completion, SamplingParams, SGLangEngine, TorchEngine, sample_tokens
-from memory import memory_plan
+from machinery import engine as engine_mod
+from machinery import parallel
+from machinery.engine import Completion, SamplingParams, SGLangEngine, TorchEngine, sample_tokens
+from machinery.memory import memory_plan
 from model import GLM, GLMConfig, hf_name
 
 
@@ -137,7 +137,7 @@ def test_fp8_publish_then_decode(dsa, dtype):
     (cast to the engine's dtype first), and every other tensor (embeddings, norms, lm_head, the whole DSA
     indexer) exactly as published, unquantized. Decoding then gives the tokens and logprobs of a naive loop of
     full forwards of that fp8 model: the cache, the batching and the fp8 matmuls agree."""
-    import fp8
+    from machinery import fp8
     learner = tiny_model(dsa)
     gen = fp8.quantize_model_(tiny_model(dsa, seed=1).eval().cast_(dtype))  # weights the publish replaces
     engine = TorchEngine(gen, max_batch=2)
@@ -811,7 +811,7 @@ def test_sglang_session_drives_episodes_by_token_ids(tmp_path, fake_sglang):
     """env.py's episode loop on SGLang: a session takes requests while others run and returns each as it ends,
     with the completions generate() gives, each request's seed its sampling_seed; and a whole multi-turn episode
     loop runs on it (token ids in and out)."""
-    import env
+    from machinery import env
     engine, fake = fake_sglang(tmp_path, max_batch=8)
     sp = SamplingParams(temperature=0.7, max_new_tokens=4, stop_token_ids=(12,))
     with engine.session(sp, 64) as call:

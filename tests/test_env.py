@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-import env
+from machinery import env
 from data import make_tiny_tokenizer
-from engine import SamplingParams, TorchEngine
-from env import Episode, Limits, render_messages, run_episodes
+from machinery.engine import SamplingParams, TorchEngine
+from machinery.env import Episode, Limits, render_messages, run_episodes
 from model import GLM, GLMConfig
 
 # Written from GLM-Z1-9B-0414's published chat format (../docs: a user turn "<|user|>\n...", an observation
@@ -304,9 +304,9 @@ def test_calculator_traces_render_as_rl_does():
 def test_a_bad_env_spec_is_one_line():
     with pytest.raises(ValueError, match=r"^data.env: 'nosuch_module:Env': no module named 'nosuch_module'"):
         env.load_env("nosuch_module:Env")
-    with pytest.raises(ValueError, match=r"^data.env: 'env:calculate' must be a class with reset\(\) and step\(text\)"):
-        env.load_env("env:calculate")
-    with pytest.raises(ValueError, match=r"^data.env: 'env:Calculatr': module env \(.*\) has no class 'Calculatr'; "
+    with pytest.raises(ValueError, match=r"^data.env: 'machinery.env:calculate' must be a class with reset\(\) and step\(text\)"):
+        env.load_env("machinery.env:calculate")
+    with pytest.raises(ValueError, match=r"^data.env: 'machinery.env:Calculatr': module machinery.env \(.*\) has no class 'Calculatr'; "
                                          r"did you mean 'Calculator'\?"):
-        env.load_env("env:Calculatr")
-    assert env.load_env("env:Calculator") is env.Calculator
+        env.load_env("machinery.env:Calculatr")
+    assert env.load_env("machinery.env:Calculator") is env.Calculator

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-import fp8
+from machinery import fp8
 from conftest import compile_for_h100
 from dsa import FP32_PARAMS
 from model import GLM, GLMConfig
@@ -248,7 +248,7 @@ def test_fp8_linear_runs_the_kernel_under_the_interpreter(interpreter, monkeypat
 
 
 COMPILE_SCRIPT = """
-import fp8, triton
+from machinery import fp8, triton
 fp8._compiled(False)  # sets the kernel's global tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -397,7 +397,7 @@ def test_weight_bytes():
         else:
             expect += p.numel() * (4 if name.endswith(FP32_PARAMS) else 2)
     assert fp8.weight_bytes(cfg) == expect
-    import config
+    from machinery import config
     c = GLMConfig.from_hf(config.PUBLISHED["GLM-Z1-9B-0414"])
     H, I, D, V, L = c.hidden_size, c.intermediate_size, c.head_dim, c.vocab_size, c.num_layers
     shapes = [(c.num_heads * D, H), (c.num_kv_heads * D, H), (c.num_kv_heads * D, H), (H, c.num_heads * D),

@@ -9,10 +9,10 @@ import pytest
 import yaml
 from huggingface_hub import constants
 
-import config
+from machinery import config
 import data
-import hub
-from config import ConfigError
+from machinery import hub
+from machinery.config import ConfigError
 from model import GLM, GLMConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +72,7 @@ def test_ids_and_local_paths(tmp_path):
 def test_fetch_pins_the_commit_and_reads_splits(cache):
     cfg = config.load_config(TINY, ["model.init=null", "model.path=owner/tiny-glm", "data.train=owner/sums:train",
                                     "data.eval={heldout: owner/sums/test.jsonl}"])
-    pins = hub.fetch(cfg)
+    pins = hub.fetch(config.hub_specs(cfg))
     assert pins == {"model.path": f"owner/tiny-glm@{SHA}", "data.train": f"owner/sums@{SHA}:train",
                     "data.eval.heldout": f"owner/sums@{SHA}/test.jsonl"}
     hub.pin(cfg, pins)
@@ -97,7 +97,7 @@ def test_fetch_pins_the_commit_and_reads_splits(cache):
 def test_a_wrong_id_is_one_line_naming_it(cache, key, spec, message):
     cfg = config.load_config(TINY, ["model.init=null", "model.path=owner/tiny-glm", f"{key}={spec}"])
     with pytest.raises(ConfigError) as e:
-        hub.fetch(cfg)
+        hub.fetch(config.hub_specs(cfg))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-import lora
-from lora import LoRAConfig
+from machinery import lora
+from machinery.lora import LoRAConfig
 from model import GLM, GLMConfig
 
 DSA = {"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}
@@ -105,7 +105,7 @@ def test_the_engine_decodes_unmerged_and_takes_an_adapters_only_publish(dtype):
     the bytes here; megabytes against gigabytes at 9B) and then decodes x W + scale x A B unmerged: its greedy
     tokens and logprobs are a float64 full forward's of the learner's model (bf16 weights: within bf16's
     rounding: the whole engine model, adapters too, in bf16)."""
-    from engine import SamplingParams, TorchEngine
+    from machinery.engine import SamplingParams, TorchEngine
     cfg = LoRAConfig(rank=4, alpha=8.0)
     learner = trained(lora.add(tiny(DSA), cfg))
     engine = TorchEngine(lora.add(tiny(DSA), cfg).to(dtype))
@@ -127,7 +127,7 @@ def test_the_engine_decodes_unmerged_and_takes_an_adapters_only_publish(dtype):
 
 
 def test_a_merged_export_is_the_adapted_model_in_fp32_and_states_its_bf16_rounding(tmp_path, capsys):
-    """python lora.py merge CHECKPOINT OUT: a LoRA checkpoint (adapters + the run's lora_base) becomes one full model
+    """python -m machinery.lora merge CHECKPOINT OUT: a LoRA checkpoint (adapters + the run's lora_base) becomes one full model
     directory whose logits are the adapted model's (fp32: exact up to float rounding), with no adapter left; in bf16
     the export says how much of the adapters' delta the rounding changes (an fp64 merge of one layer is the reference)."""
     model = trained(lora.add(tiny(DSA), LoRAConfig(rank=4)))

@@ -5,7 +5,7 @@ from dataclasses import replace
 import torch
 
 from dsa import DSAConfig
-from memory import memory_plan
+from machinery.memory import memory_plan
 from model import GLM, GLMConfig, PagedKVCache
 
 TINY = GLMConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -141,7 +141,7 @@ def test_one_gpu_for_both_must_fit_their_sum():
 def test_fp8_generator_weights_and_what_they_free():
     """rollout.quantization: fp8: the decoder's linears take 1 byte a weight plus an fp32 scale per 128 x 128 block;
     embeddings, lm_head, norms, biases and the DSA indexer stay as they were (bf16; dsa.FP32_PARAMS fp32)."""
-    import fp8
+    from machinery import fp8
     bf16, f8 = dict(tiny_plan().generator), dict(tiny_plan(fp8=True).generator)
     P, _ = hand_counts(TINY)
     h, I, HD, KD, L = 48, 80, 4 * 16, 2 * 16, 3

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import parallel
+from machinery import parallel
 from model import GLM, GLMConfig
 
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-import plot
+from machinery import plot
 
-PLOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plot.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # python -m machinery.plot runs from the root
 
 
 def test_parse_metrics_by_hand():
@@ -117,15 +117,15 @@ def synthetic_run(run_dir, rl_steps=12):
 
 
 def run_cli(*args, block_matplotlib=False):
-    """python plot.py ARGS in a subprocess. block_matplotlib: as if it were not installed, by a None in
+    """python -m machinery.plot ARGS in a subprocess. block_matplotlib: as if it were not installed, by a None in
     sys.modules, which makes `import matplotlib` raise ModuleNotFoundError the way a missing package does."""
     if block_matplotlib:
-        code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = sys.argv[1:]; "
-                "runpy.run_path(sys.argv[0], run_name='__main__')")
-        cmd = [sys.executable, "-c", code, PLOT, *args]
+        code = ("import runpy, sys; sys.modules['matplotlib'] = None; sys.argv = ['plot', *sys.argv[1:]]; "
+                "runpy.run_module('machinery.plot', run_name='__main__')")
+        cmd = [sys.executable, "-c", code, *args]
     else:
-        cmd = [sys.executable, PLOT, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        cmd = [sys.executable, "-m", "machinery.plot", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
 def test_without_matplotlib_one_line_error(tmp_path):

@@ -7,10 +7,11 @@ import torch
 
 import rollout
 from data import PromptStream, make_tiny_tokenizer
-from engine import SamplingParams, TorchEngine, sample_tokens
+from machinery.engine import SamplingParams, TorchEngine, sample_tokens
 from model import GLM, GLMConfig
-from env import Limits, single_turn
-from rollout import Generator, evaluate
+from machinery.config import RolloutConfig
+from machinery.env import Limits
+from rollout import Generator, evaluate, single_turn
 from test_engine import keys, slow
 
 
@@ -18,10 +19,16 @@ def make_generator(max_staleness, reward_fn=None, dynamic=False, n=2, engine=Non
     tok = make_tiny_tokenizer()
     examples = [{"prompt": f"{a}+1=", "label": str(a + 1)} for a in range(10)]
     engine = engine or TorchEngine(tiny_model_for(tok))
-    return Generator(engine, PromptStream(examples, seed=0), tok, prompts_per_step=2, n=n,
-                     sampling=SamplingParams(max_new_tokens=4, stop_token_ids=(tok.eos_token_id,)),
-                     max_staleness=max_staleness, dynamic_sampling=dynamic, oversample=0.0, chat_template=True,
-                     max_prompt_tokens=32, reward_fn=reward_fn or (lambda text, example: 0.0))
+    return Generator(engine, PromptStream(examples, seed=0), tok, rollout_cfg(max_staleness, n=n, dynamic_sampling=dynamic),
+                     SamplingParams(max_new_tokens=4, stop_token_ids=(tok.eos_token_id,)),
+                     env_cls=single_turn(reward_fn or (lambda text, example: 0.0)))
+
+
+def rollout_cfg(max_staleness, **kw):
+    """The rollout section these tests run with: one turn of 4 tokens, groups of 2, no over-sampling."""
+    return RolloutConfig(**{"prompts_per_step": 2, "n": 2, "max_staleness": max_staleness, "dynamic_sampling": False,
+                            "oversample": 0.0, "chat_template": True, "max_prompt_tokens": 32, "max_new_tokens": 4,
+                            "truncated": "keep", "dump_fraction": 0.0} | kw)
 
 
 def tiny_model_for(tok):
@@ -42,15 +49,15 @@ def test_weights_land_between_batches(staleness):
             batch = gen.get(timeout=30)
             assert {s.versions for s in batch.samples} == {(max(0, step - staleness),) * 2}, step
             gen.publish([], version=step + 1)  # returns only once the batches sampled by older weights are done
+            gen.open(step + 1)
             assert gen.index >= step + 1 + staleness
             kept = gen.pending(step + 1)
             assert [b.index for b in kept] == list(range(step + 1, step + 1 + staleness))
     finally:
         gen.stop()
     resumed = make_generator(staleness)
-    resumed = Generator(resumed.engine, resumed.stream, resumed.tokenizer, prompts_per_step=2, n=2,
-                        sampling=resumed.sampling, max_staleness=staleness, dynamic_sampling=False, oversample=0.0,
-                        chat_template=True, max_prompt_tokens=32, first_index=4, ready=kept)
+    resumed = Generator(resumed.engine, resumed.stream, resumed.tokenizer, rollout_cfg(staleness), resumed.sampling,
+                        env_cls=resumed.env_cls, first_index=4, ready=kept)
     assert resumed.index == 4 + staleness and [resumed.get(timeout=1).index for _ in kept] == [b.index for b in kept]
 
 
@@ -66,6 +73,7 @@ def test_staleness_gate(staleness):
             time.sleep(0.2)  # a slow learner: the generator must not run further ahead than allowed
             assert gen.index <= step + 1 + staleness
             gen.publish([], version=step + 1)
+            gen.open(step + 1)
     finally:
         gen.stop()
     assert not gen.thread.is_alive()
@@ -276,9 +284,6 @@ def test_truncated_responses_follow_the_setting(truncated):
     assert cut and all(s.reward == 1.0 and not s.masked for s in stopped)
     assert all(s.reward == (0.0 if truncated == "zero" else 1.0) for s in cut)
     assert all(s.masked == (truncated == "mask") for s in cut)
-    with pytest.raises(ValueError, match="rollout.truncated must be one of"):
-        Generator(gen.engine, gen.stream, gen.tokenizer, prompts_per_step=1, n=1, sampling=gen.sampling, max_staleness=0,
-                  dynamic_sampling=False, oversample=0, chat_template=True, max_prompt_tokens=8, truncated="drop")
 
 
 def test_void_turns_end_their_trajectory_masked_with_the_reward_kept():

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from sandbox import Result, Sandbox, SandboxError, pids_of
+from machinery.sandbox import Result, Sandbox, SandboxError, pids_of
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
 

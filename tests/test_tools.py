@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-import env
-import tools
+from machinery import env
+from machinery import tools
 from data import make_tiny_tokenizer
-from tools import PythonMath, parse_call
+from machinery.tools import PythonMath, parse_call
 
 
 def test_parse_call_glm_form_and_json_alone():

@@ -19,16 +19,16 @@ import time
 import pytest
 import torch
 
-import checkpoint
-import lora
-import config
+from machinery import checkpoint
+from machinery import lora
+from machinery import config
 import data
 import dsa
-import env
+from machinery import env
 import grpo
-import parallel
+from machinery import parallel
 import train
-from engine import SamplingParams, TorchEngine
+from machinery.engine import SamplingParams, TorchEngine
 from model import GLM, GLMConfig
 from rollout import RolloutBatch, Sample
 
@@ -77,7 +77,7 @@ def test_packed_logprobs_match_generator(rollouts):
     generator's logprobs: same tokens, same temperature, same DSA top-k, full distribution (top-p aside)."""
     model, _, prompts, comps = rollouts
     assert max(len(p) + len(c.token_ids) for p, c in zip(prompts, comps)) > 4  # top-k 4: attention is sparse
-    rows = [(p + c.token_ids, len(p)) for p, c in zip(prompts, comps)]
+    rows = [(p + c.token_ids, [(len(p), len(c.token_ids))]) for p, c in zip(prompts, comps)]
     with torch.no_grad():
         for mb in data.pack_by_tokens([len(s) for s, _ in rows], 60):
             logp, _, _ = train.packed_forward(model, [rows[i] for i in mb], temperature=0.7)
@@ -133,7 +133,7 @@ def test_masked_samples_count_in_their_group_baseline_but_not_in_the_loss(rollou
     per_sample = []
     for i in keep:
         s = batch.samples[i]
-        logp, _, _ = train.packed_forward(ref_model, [(s.prompt_ids + s.response_ids, len(s.prompt_ids))], 0.7)
+        logp, _, _ = train.packed_forward(ref_model, [s.row()], 0.7)
         ratio = torch.exp(logp - torch.tensor(s.gen_logprobs))
         clipped = torch.maximum(-adv[i] * ratio, -adv[i] * ratio.clamp(1 - 0.2, 1 + 0.28))
         w = torch.exp(logp.detach() - torch.tensor(s.gen_logprobs))
@@ -191,7 +191,7 @@ def test_packed_logprobs_match_a_bf16_generator_under_autocast(rollouts):
             net.load_state_dict(model.state_dict(), strict=False)
         engine = TorchEngine(copy.deepcopy(net).cast_(torch.bfloat16), max_batch=16)
         comps = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=12, stop_token_ids=(1,)), seed=3)
-        rows = [(p + c.token_ids, len(p)) for p, c in zip(prompts, comps)]
+        rows = [(p + c.token_ids, [(len(p), len(c.token_ids))]) for p, c in zip(prompts, comps)]
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logp, _, _ = train.packed_forward(net, rows, temperature=0.7)
         gaps[name] = (logp - torch.tensor([x for c in comps for x in c.logprobs])).abs()

@@ -30,11 +30,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoTokenizer
 
 import data
-import hub
-import lora
-from config import ConfigError
+from machinery import hub
+from machinery import lora
+from machinery.config import ConfigError
 from model import GLM, GLMConfig
-from parallel import all_gather, barrier, load_learner, rank, unwrap
+from machinery.parallel import all_gather, barrier, load_learner, rank, unwrap
 from rollout import TooManyFailures
 
 STAGES = ("dsa_warmup", "sft", "rl")

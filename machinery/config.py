@@ -19,14 +19,14 @@ from transformers import AutoTokenizer
 
 import data
 import grpo
-import hub
-import lora
+from machinery import ConfigError, hub
+from machinery import lora
 from grpo import GRPOConfig
-from memory import GiB, memory_plan
+from machinery.memory import GiB, memory_plan
 from model import GLMConfig
-from rollout import TRUNCATED
 
 H100_BYTES = 80 * 10**9  # what --dry-run plans for (an H100 SXM has 80 GB = 79.6 GiB)
+TRUNCATED = ("keep", "zero", "mask")  # what rollout.truncated may say (rollout.py's docstring)
 LOGIT_CHUNK = 1024  # response tokens per lm_head call: a [1024, 151552] fp32 block is 620 MB
 # A micro-batch whose fp32 logits [response tokens, vocab] take at most this keeps them for backward instead
 # of recomputing lm_head there (at 9B: at most 110 response tokens; small models: every micro-batch)
@@ -72,11 +72,11 @@ class DataConfig:
     # data.reward or with data.env), which load_reward binds it to
     answer_line: bool = False
     reward: str = "data:math_reward"  # module:function called as fn(response_text, example) -> float
-    # module:Class of a multi-turn environment (env.py's contract, e.g. env:Calculator, tools:PythonMath); its reward
+    # module:Class of a multi-turn environment (env.py's contract, e.g. machinery.env:Calculator, machinery.tools:PythonMath); its reward
     # replaces data.reward. null: one turn graded by data.reward
     env: str | None = None
     # Keyword arguments of the env class's setup() (env.py's contract; called once per process before the model
-    # loads: tools:PythonMath takes its sandbox's workers, timeout_s, memory_mb, max_procs, max_output_chars)
+    # loads: machinery.tools:PythonMath takes its sandbox's workers, timeout_s, memory_mb, max_procs, max_output_chars)
     env_args: dict = field(default_factory=dict)
     train_size: int | None = None  # use the first this many train examples; null: all
     eval_size: int | None = None  # ... and of each eval set
@@ -198,10 +198,6 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)  # the objective (grpo.py)
     optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW per stage, the learner's token budget
     train: TrainConfig = field(default_factory=TrainConfig)  # stages, eval, checkpoints, processes and devices
-
-
-class ConfigError(ValueError):
-    pass
 
 
 # Keys that existed once, and why they are gone: an old config gets this instead of "unknown key".
@@ -488,7 +484,7 @@ def check_paths(cfg: Config):
         if where is not None and not os.path.isfile(os.path.join(where, needed)):
             what = f"has no {needed}" if os.path.isdir(where) else "is neither a directory nor a Hub id (owner/name)"
             raise ConfigError(f"{key}: {get(cfg, key)} {what}")
-    for key, path in hub.sources(cfg).items():
+    for key, path in sources(cfg).items():
         if path not in data.SYNTHETIC and not hub.data_id(path) and not os.path.isfile(path):
             raise ConfigError(f"{key}: {path}: no such file (expected a JSONL or Parquet file, a Hub dataset's file or "
                               f"split (owner/name/file.jsonl, owner/name:train), or one of {data.SYNTHETIC})")
@@ -501,6 +497,16 @@ def response_budget(cfg: Config, eval=None) -> int:
     if eval is None:
         return max(response_budget(cfg, False), response_budget(cfg, True))
     return r.max_total_tokens or (cfg.train.eval_max_new_tokens if eval else r.max_new_tokens)
+
+
+def sources(cfg: Config) -> dict:
+    """{config key: data spec} of the files a run reads: data.train and each eval set (data.eval.<set>)."""
+    return {"data.train": cfg.data.train} | {f"data.eval.{n}": data.spec_path(s) for n, s in eval_sets(cfg).items()}
+
+
+def hub_specs(cfg: Config) -> dict:
+    """{config key: spec} of everything hub.fetch may download: model.path, model.tokenizer and the data."""
+    return {"model.path": cfg.model.path, "model.tokenizer": cfg.model.tokenizer} | sources(cfg)
 
 
 def eval_sets(cfg: Config) -> dict:

@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from config import colocate_offload
+from machinery.config import colocate_offload
 
 
 def handoff(cfg, engine, model, optimizer, device, processes):

@@ -1,6 +1,6 @@
 """
 Tool-integrated reasoning on math (TIR, as in ToRL, ReTool, SimpleTIR): the model may call a Python tool over
-several turns before it answers in \\boxed{}. Used with data.env: tools:PythonMath (data.env_args: the sandbox's
+several turns before it answers in \\boxed{}. Used with data.env: machinery.tools:PythonMath (data.env_args: the sandbox's
 limits, PythonMath.setup). One turn of an episode:
 
     [model: <think>...</think> python\\n{"code": "print(2**10)"} <|observation|>]  [env: <|observation|>\\n1024\\n]
@@ -31,7 +31,7 @@ import re
 import threading
 
 from data import math_reward
-from sandbox import Sandbox
+from machinery.sandbox import Sandbox
 
 TOOL = {"type": "function", "function": {
     "name": "python",

@@ -14,6 +14,7 @@ denominator of the step's batch. DDP and FSDP2 average gradients over ranks when
 learner_backward multiplies the loss by world() to turn their mean back into that sum.
 """
 import datetime
+import itertools
 import math
 import os
 import signal
@@ -26,9 +27,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import fp8
-import lora
-from config import ConfigError
+import data
+from machinery import fp8
+from machinery import lora
+from machinery.config import ConfigError
 from dsa import FP32_PARAMS
 from model import GLM
 
@@ -216,8 +218,39 @@ def micro_batches(model, groups):
 
 
 def dummy_rows(model):
+    """What a rank with fewer micro-batches than another runs, at weight 0: one prompt and one scored token."""
     pad = unwrap(model).cfg.pad_token_id or 0
-    return [([pad, pad], 1)]  # one prompt token, one "response" token
+    return [([pad, pad], [(1, 1)])]  # (ids, the (start, length) spans of the scored tokens)
+
+
+@dataclass
+class MicroBatch:
+    """One packed row of whole samples of an RL batch whose scored tokens lie end to end in flat [N] tensors
+    (train.rl_step's gen_logp, ref_logp): where its tokens sit there, and their [B, T] layout for the loss."""
+    rows: list  # [(ids, spans)] of its samples, for train.packed_forward
+    samples: list[int]  # their indices in the batch
+    tokens: torch.Tensor  # [N_mb]: the positions of its samples' scored tokens in the flat tensors
+    mask: torch.Tensor  # [B, T] bool: B samples, T the most scored tokens of one; True at real tokens
+
+    def pad(self, flat):
+        """[N_mb] (its tokens, sample after sample) -> [B, T], zeros after each sample's tokens."""
+        return flat.new_zeros(self.mask.shape).masked_scatter(self.mask, flat)
+
+
+def packed_micro_batches(model, rows, budget, device):
+    """[(k, MicroBatch or None)]: this rank's samples (rows: (ids, spans of scored tokens)) packed first-fit
+    decreasing into micro-batches of at most budget tokens (a longer sample alone), padded with None to the
+    busiest rank's count (micro_batches)."""
+    sizes = [sum(n for _, n in spans) for _, spans in rows]  # scored tokens per sample
+    first = list(itertools.accumulate([0] + sizes))  # where each sample's tokens start in the flat tensors
+    parts = []
+    for k, mb in micro_batches(model, data.pack_by_tokens([len(ids) for ids, _ in rows], budget)):
+        if mb is not None:
+            n = torch.tensor([sizes[i] for i in mb])
+            mb = MicroBatch([rows[i] for i in mb], mb, data.spans([first[i] for i in mb], n.tolist(), device),
+                            (torch.arange(int(n.max())) < n[:, None]).to(device))
+        parts.append((k, mb))
+    return parts
 
 
 def learner_backward(model, loss, last):

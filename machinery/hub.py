@@ -24,6 +24,8 @@ import re
 
 from huggingface_hub import constants, hf_hub_download, snapshot_download
 
+from machinery import ConfigError
+
 # What a model fetch takes: the config, the tokenizer and the safetensors weights, never *.bin/*.pt twins
 MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
                "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*", "merges.txt",
@@ -53,7 +55,6 @@ def cache_dir():
 
 def _fail(key, spec, e, what="model"):
     """One line for whatever huggingface_hub raised: the key, the id, and the likely cause."""
-    from config import ConfigError  # (config.py imports this module)
     name = type(e).__name__
     if name in ("RepositoryNotFoundError", "GatedRepoError"):
         why = (f"neither a local {'directory' if what == 'model' else 'file'} nor a {what} on the Hugging Face Hub "
@@ -152,23 +153,14 @@ def data_files(spec, key="data"):
     return fetch_data(key, spec, local_only=True)[1] if data_id(spec) else [spec]
 
 
-def sources(cfg):
-    """{config key: data spec} of the files a run reads: data.train and each eval set (data.eval.<set>)."""
-    from config import eval_sets  # (config.py imports this module)
-    from data import spec_path
-    return {"data.train": cfg.data.train} | {f"data.eval.{n}": spec_path(s) for n, s in eval_sets(cfg).items()}
-
-
-def fetch(cfg):
-    """Fetch every Hub id the config names (model.path, model.tokenizer, the data); returns {key: pinned spec},
-    which pin() writes into a config. Local paths are left alone."""
+def fetch(specs):
+    """Fetch every Hub id of specs, {config key: spec} (config.hub_specs: model.path, model.tokenizer, the data);
+    returns {key: pinned spec}, which pin() writes into a config. Local paths and None are left alone."""
     pins = {}
-    for key, files in (("model.path", MODEL_FILES), ("model.tokenizer", TOKENIZER_FILES)):
-        spec = getattr(cfg.model, key.split(".")[1])
-        if spec is not None and model_id(spec):
-            pins[key] = fetch_model(key, spec, files)
-    for key, spec in sources(cfg).items():
-        if data_id(spec):
+    for key, spec in specs.items():
+        if key.startswith("model.") and spec is not None and model_id(spec):
+            pins[key] = fetch_model(key, spec, MODEL_FILES if key == "model.path" else TOKENIZER_FILES)
+        elif key.startswith("data.") and data_id(spec):
             pins[key] = fetch_data(key, spec)[0]
     return pins
 

@@ -6,23 +6,8 @@ environment's messages alternating, as one list of token ids:
     [prompt: env.reset()] [model: calc(37*48) <|observation|>] [env: 1776 <|assistant|>] [model: \\boxed{1776} eos]
      context only          trained, exactly as sampled           context only             trained
 
-The hook (data.env: "module:Class"; the README has an example). One instance per trajectory:
-
-    class MyEnv:
-        tools: list[dict] = []                  # optional JSON schemas, passed to apply_chat_template(tools=...)
-        def __init__(self, example): ...        # one episode; the whole JSONL object, every field kept
-        def reset(self) -> list[dict]: ...      # the opening chat messages: [{"role": "user", "content": ...}]
-        def step(self, text): ...               # after each model turn, with its decoded text:
-            # -> (messages to append, reward, done) or (messages, reward, done, info); info (all optional):
-            #    {"tool_calls": 1, "void": False, "tool_io": [...]}
-        def close(self): ...                    # optional; called for every episode, finished, cut or cancelled
-        @classmethod
-        def setup(cls, **env_args): ...         # optional; once per process, before the model loads (data.env_args)
-        @classmethod
-        def teardown(cls): ...                  # optional; at exit (a sandbox's workers end)
-
-The reward is the one returned by the step that ends the trajectory. Single-turn RL is the special case
-of an env that is done after one turn: without data.env, SingleTurn wraps the reward hook (data.reward).
+The contract an env class keeps (data.env: "module:Class") is told in rollout.py's docstring, beside the
+Generator that plays it; without data.env, rollout.SingleTurn (the reward hook as a one-turn env) is played.
 
 Tokens across turns (GLM-5's "TITO": the trainer never re-tokenizes). The model's tokens are kept as
 sampled, with their logprobs; a turn ends at a stop id of the chat format (GLM: <|observation|> hands
@@ -45,7 +30,7 @@ returns something malformed fails its trajectory: the trajectory is dropped (rol
 becomes of its group), never a traceback that ends the run. (The env itself runs in the trainer's
 process: an env that runs model-written code must send it to a sandbox of its own.)
 
-The file in reading order: the hook (load_env, SingleTurn), rendering env messages (render_messages), one
+The file in reading order: the hook (load_env), rendering env messages (render_messages), one
 trajectory (Limits, Episode, the guarded calls, start, model and env turns, close), the episode loop
 (run_episodes), supervised traces (traces), the demo's env (Calculator) and the rollout dump's record.
 """
@@ -61,7 +46,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from data import chat_ids, load_object, math_reward, render_prompt
-from engine import SamplingParams, request_seeds
+from machinery.engine import SamplingParams, request_seeds
 
 # The chat format's tokens that end a model turn besides eos (GLM-4's generation_config lists both among
 # its eos ids): the model hands control to a tool, or to the user.
@@ -69,6 +54,11 @@ TURN_ENDS = ("<|observation|>", "<|user|>")
 # The fixed conversation env messages are rendered after: only the ids they add go into the trajectory.
 BASE = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "2"}]
 TURN_SEED = 1_000_000_007  # turn t of a batch samples with seed + t * TURN_SEED (turn 0: the batch's own seed)
+
+
+class TooManyFailures(RuntimeError):
+    """More of a batch's trajectories failed in the env than rollout.max_failure_fraction allows (rollout.py raises it;
+    checkpoint.run_main prints it as one line)."""
 
 
 # ----------------------------------------------------------------------------- the hook
@@ -93,29 +83,6 @@ def load_env(spec, env_args=None):
     elif env_args:
         raise ValueError(f"data.env_args: {spec} has no setup() to take them")
     return cls
-
-
-class SingleTurn:
-    """The reward hook as an env: the prompt as the user's message, one model turn, graded, done. What
-    train.py runs when data.env is not set (single_turn binds the reward); its prompt is the example's, rendered
-    by data.render_prompt as single-turn RL always rendered it."""
-    tools: list = []
-    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
-    reward_fn = staticmethod(math_reward)
-
-    def __init__(self, example):
-        self.example = example
-
-    def reset(self):
-        return self.example["prompt"]  # a string or messages
-
-    def step(self, text):
-        return [], float(self.reward_fn(text, self.example)), True
-
-
-def single_turn(reward_fn):
-    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
-    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
 
 
 # ----------------------------------------------------------------------------- rendering env messages
@@ -286,7 +253,7 @@ def _cap(messages, chars):
 def start(eps, env_cls, tokenizer, limits: Limits, chat_template=True):
     """Make each episode's env (env_cls(example)) and render its prompt (reset()). Failures mark episodes."""
     name = env_cls.__name__
-    if getattr(env_cls, "trusted", False):  # SingleTurn: no user code before step()
+    if getattr(env_cls, "trusted", False):  # rollout.SingleTurn: no user code before step()
         for ep in eps:
             ep.env = env_cls(ep.example)
         openings = [(True, ep.env.reset()) for ep in eps]
@@ -406,7 +373,7 @@ def run_episodes(engine, episodes, env_cls, tokenizer, sampling: SamplingParams,
                 yield i, ep
         live = [i for i, ep in enumerate(episodes) if ep.finish is None]
         if live and hasattr(engine, "session"):
-            last = 1 if issubclass(env_cls, SingleTurn) else limits.max_turns  # the turn after which nothing follows
+            last = 1 if getattr(env_cls, "one_turn", False) else limits.max_turns  # the turn after which nothing follows
             yield from _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopping, last)
         elif live:
             yield from _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopping, each)

@@ -1,8 +1,8 @@
 """
 Draws a run's training curves from its metrics.jsonl into one PNG.
 
-    python plot.py runs/tiny_cpu                     # writes runs/tiny_cpu/curves.png
-    python plot.py runs/t08/metrics.jsonl -o t08.png
+    python -m machinery.plot runs/tiny_cpu                     # writes runs/tiny_cpu/curves.png
+    python -m machinery.plot runs/t08/metrics.jsonl -o t08.png
 
 Panels, against the RL step (a panel with no data is left out):
   1. reward         rollout/reward per step (thin) and its moving average (thick);

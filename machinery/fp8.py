@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import dsa_triton
+from kernels import dsa_triton
 from dsa import fp32_scope
 from model import GLM
 

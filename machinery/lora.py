@@ -19,7 +19,7 @@ with its adapters switched off (`disabled`), at no memory. Adapters are saved in
 
 The file in reading order: the config, the layer (LoRALinear), putting adapters on a model (add), their
 tensors (adapter_named, load_adapters), switching them off (disabled), merging (merged_weight, merged; a full
-export: `python lora.py merge CHECKPOINT OUT`), peft's layout (save_adapters).
+export: `python -m machinery.lora merge CHECKPOINT OUT`), peft's layout (save_adapters).
 """
 import contextlib
 import json
@@ -280,7 +280,7 @@ class Base(nn.Module):
 
 
 def main(argv=None):
-    """python lora.py merge CHECKPOINT OUT [--dtype bfloat16]: a full model directory from a LoRA checkpoint."""
+    """python -m machinery.lora merge CHECKPOINT OUT [--dtype bfloat16]: a full model directory from a LoRA checkpoint."""
     import argparse
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("command", choices=["merge"])

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 import dsa
-import dsa_triton
-import lora
+from kernels import dsa_triton
+from machinery import lora
 from dsa import FP32_PARAMS
-from engine import PREFILL_TOKENS
-from fp8 import weight_bytes as fp8_weight_bytes
+from machinery.engine import PREFILL_TOKENS
+from machinery.fp8 import weight_bytes as fp8_weight_bytes
 from model import BLOCK_SIZE, GLM, GROUP_RATIO, GLMConfig
 
 # Transients that never coexist (one chunk's logits, one recomputed block, a reduce-scatter buffer) enter
