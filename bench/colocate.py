@@ -69,13 +69,13 @@ def run_mode(args, arch, mode, log):
         learner = GLM(arch)  # fp32 masters (lora: rl_trainable casts the base to bf16 on a GPU and adds the adapters)
         engine_model = GLM(arch).cast_(torch.bfloat16 if cuda else torch.float32)
     learner.gradient_checkpointing = True
-    train.rl_trainable(learner, cfg)
+    lora.rl_trainable(learner, cfg)
     if mode == "lora":
         lora.add(engine_model, lora.LoRAConfig(rank=args.rank))
     engine = TorchEngine(engine_model, max_batch=args.gen_batch, graphs=cuda)
     shared = lora.share_base(engine, learner)
     engine.update_weights(parallel.full_weights(learner, engine.dtype, base=not shared), 0)
-    optimizer = train.adamw(cfg, learner, train.rl_lr(cfg), cfg.optim.weight_decay)
+    optimizer = train.adamw(cfg, learner, lora.rl_lr(cfg), cfg.optim.weight_decay)
     hand = colocate.Handoff(engine, learner, optimizer, dev, offload=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(args.gen_batch)]

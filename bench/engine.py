@@ -152,8 +152,8 @@ def hf_runner(hf, work, batch):
     return run
 
 
-def engine_runner(engine, work, decode_forward=None):
-    """Our engine (or the static one) on the workload; decode_forward replaces engine.py's for the run."""
+def engine_runner(eng, work, decode_forward=None):
+    """Our engine (or the static one) on the workload; decode_forward replaces machinery/engine.py's for the run."""
     prompts = [p for p, _ in work]
     sampling = [SamplingParams(temperature=1.0, max_new_tokens=n) for _, n in work]
 
@@ -161,7 +161,7 @@ def engine_runner(engine, work, decode_forward=None):
         plain = engine.decode_forward
         engine.decode_forward = decode_forward or plain
         try:
-            out = engine.generate(prompts, sampling, seed=0)
+            out = eng.generate(prompts, sampling, seed=0)
         finally:
             engine.decode_forward = plain
         assert [len(c.token_ids) for c in out] == [n for _, n in work]

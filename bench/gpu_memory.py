@@ -128,6 +128,8 @@ def measure(args, arch, plan, log):
     from rollout import RolloutBatch, Sample
 
     dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:  # set_device needs an index: "cuda" is the current one
+        dev = torch.device("cuda", torch.cuda.current_device())
     dsa.USE_TRITON = not args.no_kernels
     torch.cuda.set_device(dev)
     measured, counted = {}, {}

@@ -63,7 +63,7 @@ def measure(learner, dtype, quantization, prompts, args):
     engine.update_weights(parallel.full_weights(learner, dtype, quantization), 0)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new)
     outs = engine.generate(prompts, sampling, seed=args.seed)
-    rows = [(p + o.token_ids, len(p)) for p, o in zip(prompts, outs)]
+    rows = [(p + o.token_ids, [(len(p), len(o.token_ids))]) for p, o in zip(prompts, outs)]
     with torch.no_grad():
         logp = train.packed_forward(learner, rows, args.temperature)[0]  # [N]: the learner's, fp32
     gen_logp = torch.tensor([x for o in outs for x in o.logprobs])  # [N]: the generator's

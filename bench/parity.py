@@ -135,15 +135,20 @@ def learner_logprobs(model, rows, temperature, amp):
     ctx = (parallel.autocast(device) if device.type == "cuda" else torch.autocast("cpu", dtype=torch.bfloat16)) \
         if amp else torch.autocast(device.type, enabled=False)
     with torch.enable_grad(), ctx:
-        logp, _, _ = train.packed_forward(model, rows, temperature)
+        logp, _, _ = train.packed_forward(model, spanned(rows), temperature)
     return logp.detach().float().cpu()
 
 
 @torch.no_grad()
 def prefill_logprobs(gen, rows, temperature):
     """The generator's bf16 weights, no autocast: the packed forward of the engine's prefill, teacher-forced."""
-    logp, _, _ = train.packed_forward(gen, rows, temperature)
+    logp, _, _ = train.packed_forward(gen, spanned(rows), temperature)
     return logp.float().cpu()
+
+
+def spanned(rows):
+    """(ids, prompt length) -> (ids, the scored span after the prompt): packed_forward's rows."""
+    return [(ids, [(P, len(ids) - P)]) for ids, P in rows]
 
 
 def generator_copy(model):

@@ -35,7 +35,7 @@ from machinery import lora
 from machinery.config import ConfigError
 from model import GLM, GLMConfig
 from machinery.parallel import all_gather, barrier, load_learner, rank, unwrap
-from rollout import TooManyFailures
+from machinery.env import TooManyFailures
 
 STAGES = ("dsa_warmup", "sft", "rl")
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets it all, in CPU memory

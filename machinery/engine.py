@@ -5,7 +5,8 @@ session (session, then submit / step / end: an agent's next turn joins the runni
 without sessions, generate / stream; the Generator publishes with update_weights(named_tensors, version)
 and cancels with abort / resume; release hands the memory to the learner between calls (co-located:
 machinery/colocate.py), and share makes LoRA's frozen base the learner's own tensors (lora.share_base).
-Here: the sampler, TorchEngine and make_engine; the SGLang adapter is machinery/sglang.py.
+Here: the sampler, TorchEngine and make_engine; the SGLang adapter is machinery/sglang.py, and the calls'
+types (SamplingParams, Completion) are machinery/scheduler.py's, importable from here.
 
 A request's life in TorchEngine, in order. machinery/scheduler.py keeps the books on the host (rows, KV
 blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the rows' state on the device:
@@ -13,16 +14,16 @@ blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the
   submitted  generate / stream / submit queue a scheduler.Request (Scheduler.waiting)
   admitted   when a row is free and the pool has blocks for its context, within the prefill budget
              (Scheduler.admit, whose docstring has every rule): it takes its blocks and a row
-  prefill    _prefill: the admitted contexts packed into one forward (_pack; a prompt's n samples run
-             their shared context once), each one's first token sampled; its row joins _Rows
+  prefill    _prefill: the admitted fresh contexts packed into one forward (_pack; a prompt's n samples
+             run their shared context once), each one's first token sampled; its row joins _Rows
   decode     _decode, each iteration: one token for every running row at once (eager, or a CUDA graph of
              a padded bucket: graphs.py), after a new block for each row whose next token starts one
              (Scheduler.grow)
   finished   a stop token or its length, seen by the iteration's one device read (_read)
   released   _release / Scheduler.release: its blocks and buffer row go back at once; its tokens copy to
              the host without waiting and join it one iteration later (_land / Scheduler.land): yielded
-  or parked  a session's turn with a key keeps its KV blocks when it ends (Scheduler.land), until its
-             trajectory's next turn or end(key)
+  or parked  a session's turn with a key (park=True) keeps its KV blocks when it ends (Scheduler.release
+             keeps them, Scheduler.land parks them under its key), until its next turn or end(key)
   extended   that next turn, if its context extends the parked tokens, takes the blocks over and runs only
              its new tokens (_extend), then decodes as any row
   evicted    when the pool runs short (admit, grow), parked KV goes first, oldest first (that trajectory's
@@ -47,29 +48,13 @@ import dsa
 from kernels import dsa_triton
 from machinery import fp8, lora
 from machinery.graphs import DecodeGraphs, decode_forward, key_slots
-from machinery.scheduler import ADMIT_FRACTION, PREFILL_TOKENS, Request, Scheduler  # noqa: F401 (re-exported)
+from machinery.scheduler import Completion, Request, SamplingParams, Scheduler
+from machinery.scheduler import ADMIT_FRACTION, PREFILL_TOKENS  # noqa: F401 (importable from here: memory.py's)
+from machinery.sglang import SGLANG_MISSING, SGLangEngine  # noqa: F401 (make_engine's other engine)
 from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, to_device
 
 
 # ----------------------------------------------------------------------------- the sampler
-
-@dataclass
-class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    # Nucleus sampling, for eval and tools. RL rollouts keep 1.0: the logprobs are of the full tempered
-    # distribution, which is what the learner recomputes; a truncated sampler would not match them.
-    top_p: float = 1.0
-    max_new_tokens: int = 256
-    stop_token_ids: tuple = ()
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]  # the sampled tokens, stop token included: the learner trains on these exact ids
-    logprobs: list[float]  # log softmax(logits / temperature) of each sampled token
-    finish_reason: str  # "stop" | "length" | "abort"
-    versions: tuple[int, int]  # (oldest, newest) weight version that produced its tokens
-
 
 _M32 = 0xFFFFFFFF
 
@@ -170,7 +155,8 @@ class TorchEngine:
     file's header; the rules: machinery/scheduler.py). Each iteration admits waiting requests while rows
     (at most max_batch) and KV blocks allow, prefills them together, then decodes one token for every
     running row; a finished row leaves at once and waiting ones take the free rows as soon as
-    ADMIT_FRACTION of them are free, so no row waits for the longest. KV is never copied.
+    ADMIT_FRACTION of them are free, so no row waits for the longest. A row's KV never moves: it takes
+    blocks as it grows.
 
     Host work: the rows' state stays on the device (_Rows), an iteration reads back only their status and
     counts, once, and a finished row's tokens travel in bulk, landing by the next iteration's read.
@@ -276,7 +262,7 @@ class TorchEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.landing) or self.sched.busy
+        return bool(self.landing) or (self.sched is not None and self.sched.busy)
 
     @property
     def parked(self):
@@ -285,7 +271,8 @@ class TorchEngine:
 
     def end(self, key):
         """The trajectory is over: its parked KV goes back to the pool."""
-        self.sched.end(key)
+        if self.sched is not None:  # (after the session: nothing parked)
+            self.sched.end(key)
 
     # ------------------------------------------------------------------------- weights and memory
 
@@ -390,7 +377,7 @@ class TorchEngine:
     def _step(self):
         """Grow, admit and prefill, decode one token for every row, read the device once; then the rows
         released one iteration ago land, and the rows that finished in this one are released."""
-        self.step_version = self.version
+        self.step_version = self.version  # the weights of this iteration's forwards (each sets it under the lock)
         if self.reprefill and self.kv_version != self.version:  # new weights: no KV of the old ones survives
             if self.sched.running:
                 self._retract(len(self.sched.running))  # prefilled again below, under the new weights
@@ -506,7 +493,7 @@ class TorchEngine:
         with self.lock:
             return self.model.lm_head(torch.cat(hidden)[to_device(last, dev, torch.long)])
 
-    def _status(self, tok, lp, ngen, left):
+    def _status(self, tok, lp, ngen, left):  # [B]: 2 if the logits were not finite, 1 if done (length or stop), else 0
         done = (ngen >= left) | (torch.isin(tok, self.stop) if len(self.stop) else False)
         return torch.where(lp.isnan(), 2, done.long())
 
@@ -585,7 +572,6 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, em
     engine's model too, decoded unmerged; the learner's publishes fill them). empty (co-located): no weights of
     its own until the learner's first publish fills them (with fp8 they load: quantizing needs them)."""
     if rollout.engine == "sglang":  # SGLang missing, a CPU device or a DSA model: one line naming the problem
-        from machinery.sglang import SGLangEngine  # here, not at the top: sglang.py imports this file
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
                             mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None,
                             fp8=rollout.quantization == "fp8")

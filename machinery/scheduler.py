@@ -18,6 +18,9 @@ The KV pool is a model.PagedKVCache: num_blocks blocks of BLOCK_SIZE token slots
 itself (PagedKVCache.free, popped from the end: the lowest block id first); a request's `blocks` are its
 block ids in position order, so position p of its context lives in slot
 blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE.
+
+Here too: the calls' small types, SamplingParams and Completion (both engines', importable from engine.py),
+and Request, one request's books.
 """
 import collections
 from dataclasses import dataclass, field
@@ -31,6 +34,27 @@ PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most (a longer cont
 # every waiting request fits): a prefill costs a forward whatever its size, so rows that free up one at a
 # time are refilled in batches, not by one small prefill each.
 ADMIT_FRACTION = 1 / 8
+
+# A call's types: what it samples with, and what each of its requests returns. Both engines' calls take and
+# give them (engine.py imports them from here, and so does sglang.py, which engine.py imports: here, no cycle).
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    # Nucleus sampling, for eval and tools. RL rollouts keep 1.0: the logprobs are of the full tempered
+    # distribution, which is what the learner recomputes; a truncated sampler would not match them.
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple = ()
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]  # the sampled tokens, stop token included: the learner trains on these exact ids
+    logprobs: list[float]  # log softmax(logits / temperature) of each sampled token
+    finish_reason: str  # "stop" | "length" | "abort"
+    versions: tuple[int, int]  # (oldest, newest) weight version that produced its tokens
 
 
 @dataclass
@@ -67,6 +91,7 @@ class Scheduler:
         self.running = []  # the batch's requests, in batch order
         self.pos = np.zeros(0, dtype=np.int64)  # [B] each running row's next position
         self.parked = collections.OrderedDict()  # key -> (ids whose KV its blocks hold, blocks), oldest first
+        self.landing = 0  # blocks held by finished turns that park, released but not landed yet (not evictable)
         self.finished = []  # finished requests, until the engine yields them
 
     @property
@@ -80,12 +105,14 @@ class Scheduler:
         """Waiting requests that fit now, oldest first, appended to `running` and returned in the order they
         join the batch: fresh contexts first, then turns that extend parked KV (the engine's prefill computes
         their logits in that order). A request fits with a free row and, in the pool, blocks for its context
-        and its first decoded token (less the parked blocks it takes over) plus one spare block per running
-        row (each may need one to grow into at the next step), and within the prefill budget PREFILL_TOKENS
+        and its first decoded token (less the parked blocks it takes over) plus one spare block for every row
+        running or admitted before it (each may need one to grow into at the next step), and within the
+        prefill budget PREFILL_TOKENS
         (a context already admitted in this round costs nothing: the prefill runs it once; an extending turn
         costs its new tokens). Parked KV of other trajectories is evicted, oldest first, to make room. The
-        first request of a round goes whatever its size when no row runs (the pool holds one longest
-        sequence). While rows are decoding, nobody is admitted until ADMIT_FRACTION of the rows (or all that
+        first request of a round goes whatever its size when no row runs and no finished turn's KV is on its
+        way to parking (the pool is sized for one longest sequence; such KV is evictable once it lands, at the
+        end of this iteration, so the request waits one). While rows are decoding, nobody is admitted until ADMIT_FRACTION of the rows (or all that
         wait) can be. version: the weights now, a new request's first version."""
         free_rows = self.max_batch - len(self.running)
         if self.running and free_rows < min(len(self.waiting), max(1, int(self.max_batch * ADMIT_FRACTION))):
@@ -103,7 +130,9 @@ class Scheduler:
                 break
             while blocks + len(self.running) + len(new) > len(self.free) and any(k != r.key for k in self.parked):
                 self.evict(1, keep=r.key)
-            if blocks + len(self.running) + len(new) > len(self.free) and (new or self.running):
+            # Too few blocks: wait for rows to finish, or for landing turns' KV to park (it is evictable then,
+            # next iteration); only with neither may the first request go alone (the pool holds one longest)
+            if blocks + len(self.running) + len(new) > len(self.free) and (new or self.running or self.landing):
                 break
             self.waiting.popleft()
             if r.key in self.parked:  # taken over (extended), or dropped (its context went another way)
@@ -122,7 +151,7 @@ class Scheduler:
         for r in new:
             r.buf = self.free_bufs.pop()
         self.running += new
-        self.pos = np.concatenate((self.pos, [len(r.prompt) + len(r.tokens) for r in new]))
+        self.pos = np.concatenate((self.pos, np.array([len(r.prompt) + len(r.tokens) for r in new], dtype=np.int64)))
         return new
 
     def grow(self, retract) -> tuple[list[int], list[int]]:
@@ -159,6 +188,8 @@ class Scheduler:
             if not r.park or finish != "done":
                 self.free += reversed(r.blocks)
                 r.blocks = []
+            else:
+                self.landing += len(r.blocks)
             self.free_bufs.append(r.buf)
             batch.append((r, int(ngen[b])))
             r.versions[1] = max(r.versions[1], version)
@@ -183,6 +214,7 @@ class Scheduler:
                                                          self.stop_ids else "length")
             self.finished.append(r)
             if r.blocks:
+                self.landing -= len(r.blocks)
                 self.end(r.key)
                 self.parked[r.key] = (r.prompt + r.tokens[:-1], r.blocks)
                 self.stats["parked"] += 1

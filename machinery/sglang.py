@@ -1,7 +1,8 @@
 """
 TorchEngine's calls on SGLang (rollout.engine: sglang; the optional `.[sglang]` extra, one GPU, dense GLM-4
 checkpoints): generate, session (submit / step / end, for env.py's episode loop), update_weights, abort /
-resume, shutdown. make_engine (engine.py) imports this file only when the config asks for SGLang.
+resume, shutdown. engine.py's make_engine makes one when the config asks for SGLang (sglang itself is
+imported only then, by SGLangEngine).
 fp8_checkpoint writes the e4m3 copy of a checkpoint that SGLang runs with rollout.quantization: fp8.
 """
 import asyncio
@@ -17,7 +18,7 @@ import threading
 import torch
 
 from machinery import fp8
-from machinery.engine import Completion, SamplingParams
+from machinery.scheduler import Completion, SamplingParams
 from model import hf_name, our_name
 
 SGLANG_MISSING = ("rollout.engine: sglang needs SGLang on a GPU machine: pip install -e '.[sglang]' "

@@ -9,17 +9,21 @@ os.environ["WANDB_MODE"] = "offline"
 # Triton reads TRITON_INTERPRET when triton.language is first imported, and only then builds its library for
 # the interpreter that runs the DSA kernels on CPU tensors (tests/test_dsa_triton.py). Import it here, in
 # that mode, before any test module can import it otherwise; then clear the variable, so that nothing else
-# dispatches to the (slow) interpreter unless a test asks for it.
+# dispatches to the (slow) interpreter unless a test asks for it. TRITON_INTERPRET=0, set by the caller
+# (bench/gpu.sh's GPU-only tests): no interpreter at all, so kernels compile for the GPU in this session (a
+# session that imported triton in interpreter mode cannot compile: triton 3.6 asserts at the first launch);
+# tests/test_dsa_triton.py then skips, and its sm_90 compile test runs in a session of its own.
 _previous = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-try:
-    import triton.language  # noqa: F401
-except ImportError:  # no triton: the kernel tests skip
-    pass
-if _previous is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _previous
+if _previous != "0":
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    except ImportError:  # no triton: the kernel tests skip
+        pass
+    if _previous is None:
+        del os.environ["TRITON_INTERPRET"]
+    else:
+        os.environ["TRITON_INTERPRET"] = _previous
 
 
 def compile_for_h100(script):

@@ -280,7 +280,7 @@ def test_eval_set_with_its_own_keys(tmp_path, tok, capsys):
     aime = write(tmp_path, '{"problem": "1+1=", "answer": 2}\n{"problem": "2+2=", "answer": 4}\n'
                            '{"problem": "1+1=", "answer": 2}\n', name="aime.jsonl")
     train = write(tmp_path, json.dumps({"q": "3+3=", "reward_model": {"ground_truth": 6}}) + "\n", name="train.jsonl")
-    tiny = os.path.join(os.path.dirname(os.path.abspath(config.__file__)), "configs", "tiny_cpu.yaml")
+    tiny = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_cpu.yaml")
     cfg = config.load_config(tiny, [
         f"data.train={train}", "data.prompt_key=q", "data.label_key=reward_model.ground_truth", "data.dedup=true",
         f"data.eval={{aime: {{path: '{aime}', prompt_key: problem, label_key: answer}}, other: '{train}'}}"])

@@ -248,7 +248,8 @@ def test_fp8_linear_runs_the_kernel_under_the_interpreter(interpreter, monkeypat
 
 
 COMPILE_SCRIPT = """
-from machinery import fp8, triton
+import triton
+from machinery import fp8
 fp8._compiled(False)  # sets the kernel's global tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource

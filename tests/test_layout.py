@@ -420,8 +420,9 @@ class Index:
         """Whether a project class of that name, or a project base class of it, defines the member (an
         inherited third-party member counts when it is in THIRD_PARTY_NAMES)."""
         for members, bases in self.classes.get(name, []):
-            if member in members or any(b in self.classes and b not in seen and self.class_has(b, member, seen + (name,))
-                                        for b in bases):
+            if member in members:
+                return True
+            if any(b in self.classes and b not in seen and self.class_has(b, member, seen + (name,)) for b in bases):
                 return True
         return member in THIRD_PARTY_NAMES
 
@@ -678,13 +679,15 @@ def test_doc_name_checker_flags_planted_stale_names():
             "`GRPOConfig` `machinery.tools:PythonMath` `train.pairs=2` `python train.py --config "
             "configs/tiny_cpu.yaml` `runs/<name>/metrics.jsonl` `train/kl` `torch.topk` `null` `0.2` `\"stop\"` "
             "`HF_HUB_OFFLINE=1` `Glm4ForCausalLM` `max_staleness >= 2` `rollout.top_p` `config.yaml` `true`"
-            " `Answer: ...` `metrics.jsonl` `p_t` `data.eval: {name: file}` `GLM.forward(keep=...)`")
+            " `Answer: ...` `metrics.jsonl` `p_t` `data.eval: {name: file}` `GLM.forward(keep=...)`"
+            " `python -m machinery.plot RUN_DIR`")
     assert stale_names(good, "good.md") == []
     bad = ["`machinery/nope.py`", "`nope.py`", "`configs/nope.yaml`", "`rollout.no_such_key`",
            "`model.lora.no_such_field`", "`distill.teacher`", "`grpo.no_such_function`", "`no_such_function()`",
            "`NoSuchClass`", "`GLM.no_such_method`", "`machinery.tools:NoSuchEnv`", "`python nope.py --x`",
            "`python plot.py runs/x`", "`train.no_such_key=2`", "`engine.no_such_name`", "`NO_SUCH_CONSTANT`",
-           "`nosuchword`", "`data.env: machinery.env:NoSuchEnv`", "`grpo.no_such_key: 0.2`"]
+           "`nosuchword`", "`data.env: machinery.env:NoSuchEnv`", "`grpo.no_such_key: 0.2`",
+           "`python -m machinery.nope RUN_DIR`"]
     flagged = stale_names("\n".join(bad), "bad.md")
     assert len(flagged) == len(bad), "\n".join(flagged)
     assert flagged[0].startswith("bad.md:1: `machinery/nope.py`")
