@@ -29,10 +29,17 @@ groups them. Every trajectory is an episode of an env, single-turn math included
 
 Staleness, told once (other files say "at most max_staleness versions old" and point here). The learner's
 weight version v counts its optimizer steps, and it trains batch i at step i. The gate lets the generator
-start batch i only once the engine holds version >= i - max_staleness, and versions only grow, so every
-token of batch i was sampled by weights at most max_staleness versions older than the ones that train on
-it. max_staleness 0 is synchronous RL; 1 (the recipe) generates batch i+1 while the learner trains on
-batch i, one step off-policy. A sample that spans several versions (partial_rollout) is judged on its
+start batch i only once the learner has opened it at version >= i - max_staleness (Generator.open, after the
+step's publish, eval and checkpoint), and versions only grow, so every token of batch i was sampled by weights
+at most max_staleness versions older than the ones that train on it. max_staleness 0 is synchronous RL; 1 (the
+recipe) generates batch i+1 while the learner trains on batch i, one step off-policy:
+
+    learner    | get b0 | train b0 | publish 1, open 1 | train b1 | publish 2, open 2 | train b2 | ...
+    generator  | b0 (v0)| b1 (v0)                      | b2 (v1)                      | b3 (v2)  | ...
+                          (publish v waits for batch v, which the learner's next step needs anyway)
+
+Three counters meet: Generator.index (the next batch to make), Generator.version (where the gate is open) and
+the engine's own version (set by publish, so ahead of the gate between publish and open). A sample that spans several versions (partial_rollout) is judged on its
 oldest. The learner checks the same bound again per sample (grpo.fresh_mask in train.rl_step): a guard,
 which never fires while this gate holds; it is there so that a broken gate (an engine or generator of
 your own) shows up as staleness/dropped instead of as silent off-policy training.
@@ -49,7 +56,7 @@ A response cut by the length limit (finish_reason "length") follows rollout.trun
 graded reward, score it `zero`, or `mask` it (DAPO's overlong filtering): a masked sample is dropped
 from the loss (no gradient, in no denominator), but its reward still counts in its group's mean and std,
 so its siblings' advantages are those of the group as it was sampled. A trajectory ended by a void turn
-(env.py) is masked the same way.
+(machinery/env.py) is masked the same way.
 
 Env failures are data: a trajectory whose env (or reward hook) raised or timed out is dropped; its group
 trains at its reduced size while more than half of it remains, else the whole group is dropped and a fresh

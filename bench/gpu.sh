@@ -258,8 +258,8 @@ EOF
 # Extractors: what of a part's output goes into summary.md
 x_tests() {
     grep -E '^(FAILED|ERROR|SKIPPED)' "$1" | head -20 | sed 's/^/    /'
-    local last; last="$(grep -E '(passed|failed|error|skipped|no tests ran)' "$1" | tail -1)"
-    echo; echo "pytest: ${last:-no summary line (see the log)}"
+    local last; last="$(grep -E '^[0-9]+ (passed|failed|error|skipped)|no tests ran' "$1" | paste -sd ';' -)"
+    echo; echo "pytest (each session): ${last:-no summary line (see the log)}"
     if [[ $DRY == 0 && "$last" == *skipped* ]]; then  # on a GPU machine none of them should skip
         echo; echo "**Tests skipped on a CUDA machine: they did not run (the reasons are above).**"
     fi
