@@ -16,7 +16,7 @@ Simplifications, stated plainly:
   normalised string match first, then a symbolic check with math-verify. There is no partial credit and no
   format reward.
 - The symbolic check runs in a helper thread with a deadline instead of math-verify's own timeout,
-  which uses signal.alarm and so only works in the main thread (we grade in the generator thread).
+  which uses signal.alarm and so only works in the main thread (the episode loop grades on worker threads).
   A thread cannot be killed, so inputs that could blow up (huge powers, deep nesting, long strings)
   are refused before sympy ever sees them; the deadline is the second line of defence.
 """
@@ -242,7 +242,7 @@ def load_examples(source, tokenizer, keys, *, split, seed, sft, chat_template, m
     split). Every prompt is tokenized here, at start-up, so that an impossible setting fails in seconds: overlong
     eval prompts, or no train prompt that fits, are an error; overlong train prompts are skipped with one line.
     openings (with data.env): the examples' prompt ids, their env's reset() rendered; prompt and label keys are
-    then the env's business, not required here. files_of(path, key): the local files of a path (train.py hands in
+    then the env's business, not required here. files_of(path, key): the local files of a path (machinery/startup.py hands in
     hub.data_files, which maps a Hub dataset id to its cached files); None: the path itself."""
     size = keys.train_size if split == "train" else keys.eval_size
     path, own = spec_path(source), source if isinstance(source, dict) else {}
@@ -666,7 +666,7 @@ def _with_deadline(fn, *args):
 
 # -----------------------------------------------------------------------------
 # 4. The synthetic task and tokenizer of the CPU demo
-# Short arithmetic ("12+7=" -> "\boxed{19}") that a 2-layer model learns in minutes, graded by the
+# Short arithmetic ("12+7=" -> "\boxed{19}") that a 3-layer model learns in minutes, graded by the
 # same math_reward as real data. A problem's hash puts it in train or test, so held-out problems
 # are never trained on, whatever the seed.
 
@@ -687,7 +687,7 @@ def synthetic_task(n, seed, split="train", task="synthetic"):
     len(pool) are distinct, later ones cycle through the pool.
       synthetic                  {"prompt": "12+7=", "label": "19", "solution": "\\boxed{19}"}: 806 train / 94
                                  test problems, sums and differences below 20, products below 10
-      synthetic:multiply         two-digit products for the calculator env (env.Calculator): 7343 train / 757
+      synthetic:multiply         two-digit products for the calculator env (machinery.env.Calculator): 7343 train / 757
                                  test. {"prompt": "37*48=", "label": "1776", "tools": true, "solution":
                                  ["calc(37*48)", "\\boxed{1776}"]}, the model's turns of a tool trace; in the
                                  train split a quarter of the problems come without the tool ("tools": false,
