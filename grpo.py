@@ -40,6 +40,7 @@ Shapes: B sequences (one per row, right padded), T tokens; `mask` is 1 on respon
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -91,8 +92,10 @@ def group_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
 
 def informative(rewards) -> bool:
     """A group (its samples' rewards) with at least two different rewards. The others have A = 0 for
-    every token, so they cost compute and shrink the effective batch; DAPO drops them and refills."""
-    return len(set(rewards)) > 1
+    every token, so they cost compute and shrink the effective batch; DAPO drops them and refills. A NaN is
+    no value (it is unequal even to itself, so a set would count each NaN apart); rollout.py fails a trajectory
+    with a non-finite reward before it gets here."""
+    return len({r for r in rewards if not math.isnan(r)}) > 1
 
 
 def fresh_mask(sample_versions, current_version, max_staleness):

@@ -12,8 +12,11 @@ groups them. Every trajectory is an episode of an env, single-turn math included
             def __init__(self, example): ...   # one episode; the whole JSONL object, every field kept
             def reset(self) -> list[dict]: ... # the opening chat messages: [{"role": "user", "content": ...}]
             def step(self, text): ...          # after each model turn, its decoded text -> (messages to append,
-                                               #   reward, done) or (..., info): {"tool_calls", "void", "tool_io"}
-            def close(self): ...               # optional; called for every episode, finished, cut or cancelled
+                                               #   reward, done) or (..., info): {"tool_calls", "void", "tool_io"};
+                                               #   reward a finite number, done a bool (numpy or torch scalars: their
+                                               #   value), info a dict or None: anything else fails the trajectory
+            def close(self): ...               # optional; called for every episode, finished, cut or cancelled (one
+                                               #   that raises or hangs changes no trajectory: rollout/env_close_failures)
             @classmethod
             def setup(cls, **env_args): ...    # optional; once per process, before the model loads (data.env_args)
             @classmethod
@@ -64,7 +67,7 @@ prompt takes its place in a further round, as dynamic sampling refills (GLM-5 pa
 samples instead, which would count their gradients twice). Each failure is one
 warning line naming the env, the example and the exception; the first traceback of each kind is saved
 in run_dir/env_failures/; more than rollout.max_failure_fraction of a batch failing stops the run with
-one line. rollout.dump_fraction of each batch's trajectories go to run_dir/rollouts/ as JSON lines.
+one line (checked after each round of prompts: a batch over it plays no further round). rollout.dump_fraction of each batch's trajectories go to run_dir/rollouts/ as JSON lines.
 """
 import contextlib
 import json
@@ -112,7 +115,8 @@ class SingleTurn:
         return self.example["prompt"]  # a string or messages
 
     def step(self, text):
-        return [], float(self.reward_fn(text, self.example)), True  # the reward call: (text, the JSONL object)
+        return [], self.reward_fn(text, self.example), True  # the reward call: (text, the JSONL object); the episode
+        # loop checks the reward as it checks an env's: a non-finite or non-numeric one fails its trajectory
 
 
 def single_turn(reward_fn):
@@ -179,7 +183,7 @@ class Generator:
         self.env_cls, self.limits = env_cls, env.limits_of(r, sampling.max_new_tokens)
         self.seed, self.partial_rollout, self.truncated = seed, r.partial_rollout, r.truncated
         self.max_failures, self.run_dir, self.dump_fraction = r.max_failure_fraction, run_dir, r.dump_fraction
-        self.rank, self.seen_failures = rank, set()
+        self.rank, self.seen_failures, self.close_failures = rank, set(), 0
         self.index_of = {id(ex): rank + world * i for i, ex in enumerate(stream.examples)}
         self.queue = queue.Queue(maxsize=self.max_staleness + 1)
         for batch in ready:
@@ -280,6 +284,7 @@ class Generator:
     def _make_batch(self):
         t0 = time.perf_counter()
         kept, spare, rounds, generated, episodes, cancelled, failed_groups = [], [], 0, [], [], 0, 0
+        self.close_failures = 0
         while len(kept) < self.prompts_per_step and rounds < MAX_SAMPLING_ROUNDS:
             need = self.prompts_per_step - len(kept)
             draw = math.ceil(need * (1 + self.oversample)) if self.dynamic_sampling else need
@@ -296,6 +301,8 @@ class Generator:
                 generated += g
                 (spare if self.dynamic_sampling and not grpo.informative([s.reward for s in g]) else kept).append(g)
             cancelled += len(examples) - len(groups)
+            if sum(ep.failure is not None for ep in episodes) > self.max_failures * len(episodes):
+                break  # too many failed already (an env that is down): stop now (_report), not after more rounds
         failures = [ep for ep in episodes if ep.failure is not None]
         self._report(failures, len(episodes))
         surplus = kept[self.prompts_per_step:]  # an engine that cannot stream finishes every over-sampled prompt
@@ -329,6 +336,8 @@ class Generator:
             "rollout/env_failures": len(failures), "rollout/groups_failed": failed_groups,
             "perf/env_s": sum(ep.env_s for ep in episodes),
         }
+        if not issubclass(self.env_cls, SingleTurn):  # (the reward hook has no close: single-turn rows stay as is)
+            metrics["rollout/env_close_failures"] = self.close_failures  # counted apart: they changed no trajectory
         if self.dump_fraction > 0 and self.run_dir is not None:
             self._dump(episodes)
         return RolloutBatch(samples, self.index, self.stream.state_dict(), metrics)
@@ -354,13 +363,16 @@ class Generator:
         runs = run_episodes(self.engine, eps, self.env_cls, self.tokenizer, self.sampling, self.limits, seed,
                             chat_template=self.chat_template, stopping=self.stopping.is_set,
                             each=need is not None and self.streams)
-        with contextlib.closing(runs):
-            for _, ep in runs:
-                episodes.append(ep)
-                settle()
-                if need is not None and self.streams and sum(g is not None and grpo.informative([s.reward for s in g])
-                                                             for g in done) >= need:
-                    return done
+        try:
+            with contextlib.closing(runs):
+                for _, ep in runs:
+                    episodes.append(ep)
+                    settle()
+                    if need is not None and self.streams and sum(g is not None and grpo.informative([s.reward for s in g])
+                                                                 for g in done) >= need:
+                        return done
+        finally:  # (closing the loop closed every env, cancelled ones too)
+            self.close_failures += sum(ep.close_failure is not None for ep in eps)
         if self.stopping.is_set():
             return None
         return done
@@ -467,4 +479,8 @@ def sft_rows(cfg, tokenizer, examples, env_cls):
                      tokenizer.eos_token_id, cfg.rollout.chat_template)
     for ep in (ep for ep in eps if ep.failure is not None):  # a flaky env: skipped now, tried again when drawn again
         print(f"[train] the supervised trace of example {ep.example!r:.60} failed, skipped: {ep.failure}", flush=True)
-    return [None if ep.failure else (ep.prompt + ep.response, [(len(ep.prompt) + a, n) for a, n in ep.spans]) for ep in eps]
+    # Every rank plays the same global batch and keeps its own share of the rows: a trace that failed on one rank
+    # only must be dropped on all, or the ranks would split different batches (every rank calls this, so all meet).
+    failed = set().union(*all_gather({k for k, ep in enumerate(eps) if ep.failure is not None}))
+    return [None if k in failed else (ep.prompt + ep.response, [(len(ep.prompt) + a, n) for a, n in ep.spans])
+            for k, ep in enumerate(eps)]

@@ -100,7 +100,14 @@ class RolloutConfig:
     max_turns: int = 8  # model turns per trajectory
     max_total_tokens: int | None = None  # tokens after the prompt, model and env (null: one turn's max_new_tokens)
     max_env_chars: int = 4096  # each env message's content is cut to this many characters before rendering
-    env_timeout_s: float = 60.0  # a call into the env (or the reward hook) that takes longer fails its trajectory
+    # A call into the env (or the reward hook) that runs longer than env_timeout_s fails its trajectory; a call that
+    # waits for a thread (64 run calls at once) starts as soon as one is free (a stuck one is replaced at once). Once 8
+    # calls in a row time out, none answering, the env is down: until a call answers, each call gets env_timeout_s / 10
+    # from its submission. So every call ends within env_timeout_s of its start, and an env that hangs on every call
+    # costs a batch one or two env_timeout_s, then a tenth of it per engine iteration that ends turns (not a whole one
+    # per call or turn): its calls all fail and the run stops with one line (max_failure_fraction). A close() that
+    # fails or times out changes no trajectory (it is counted in rollout/env_close_failures)
+    env_timeout_s: float = 60.0
     # When an env's answer becomes the trajectory's next turn, in engine iterations after its turn ended (env.py's
     # episode loop; the engine decodes the other trajectories meanwhile). A number makes runs reproducible and
     # resume exact (the loop waits for an answer that is late: set it above the tool's time / one decode step's);
@@ -413,6 +420,8 @@ def check_config(cfg: Config, where):
     def need(ok, msg):
         if not ok:
             raise ConfigError(f"{where}: {msg}")
+    need(cfg.rollout.n >= 2, f"rollout.n must be >= 2, got {cfg.rollout.n}: a group of one has no baseline (every "
+                             "advantage is 0)")
     need((cfg.model.path is None) != (cfg.model.init is None), "set exactly one of model.path and model.init")
     reserved = {"vocab_size", "eos_token_id", "pad_token_id", "dsa"} & set(cfg.model.init or {})
     need(not reserved, f"model.init must not set {sorted(reserved)} (they come from the tokenizer and model.dsa)")

@@ -38,6 +38,8 @@ import ast
 import atexit
 import contextlib
 import json
+import math
+import numbers
 import operator
 import queue
 import re
@@ -156,6 +158,7 @@ class Episode:
     tool_io: list = field(default_factory=list)
     env_s: float = 0.0  # seconds spent in env calls
     env: object = None
+    close_failure: str | None = None  # why its env's close() failed (the trajectory stands: close runs after it)
 
     @property
     def model_tokens(self):
@@ -165,10 +168,13 @@ class Episode:
 class _Task:
     def __init__(self, fn, args):
         self.fn, self.args, self.started, self.result, self.abandoned = fn, args, None, None, False
-        self.done = threading.Event()
+        self.submitted, self.done, self.lock = time.perf_counter(), threading.Event(), threading.Lock()
 
     def run(self):
-        self.started = time.perf_counter()
+        with self.lock:  # a task given up on while it waited for a thread never starts
+            if self.done.is_set():
+                return
+            self.started = time.perf_counter()
         try:
             self.result = (True, self.fn(*self.args), time.perf_counter() - self.started)
         except BaseException as e:  # noqa: BLE001 (the env's own bug is data here)
@@ -176,45 +182,71 @@ class _Task:
         self.done.set()
         ANSWERED.set()
 
+    def give_up(self, error):
+        """End a task that has not started (no thread runs it): False if a thread started it meanwhile."""
+        with self.lock:
+            if self.started is not None or self.done.is_set():
+                return self.done.is_set()
+            self.result = (False, error, 0.0)
+            self.done.set()
+            return True
+
 
 class _Pool:
     """Daemon threads that run env calls, so that many trajectories' tools run at once and a cheap call (a
     reward) costs no thread start. A call that misses its deadline keeps its thread (a thread cannot be
-    killed): that thread is written off, leaves the pool if the call ever returns, and a new one replaces it."""
+    killed): that thread is written off, leaves the pool if the call ever returns, and a new one replaces it
+    at once. When DOWN_AFTER calls in a row have timed out, none answering meanwhile, the env is down (a
+    backend that died): waiting out each later call's deadline would cost env_timeout_s per call (per engine
+    iteration, in _play), so until a call answers again, a call gets a tenth of it from its submission (a
+    probe: an env that is back answers, and ends the outage; the calls written off still run, and may too).
+    One slow call among answering ones never trips it."""
 
     def __init__(self, size):
         self.size, self.live, self.tasks, self.lock = size, 0, queue.SimpleQueue(), threading.Lock()
+        self.timeouts = 0  # calls timed out since the last one answered (returned or raised)
 
     def submit(self, fn, args):
         task = _Task(fn, args)
         self.tasks.put(task)
+        self._fill()
+        return task
+
+    def _fill(self):
         with self.lock:
             while self.live < self.size:
                 self.live += 1
                 threading.Thread(target=self._work, daemon=True, name="env-call").start()
-        return task
+
+    def down(self):
+        return self.timeouts >= DOWN_AFTER
 
     def write_off(self, task):
         task.abandoned = True
         with self.lock:
-            self.live -= 1  # its thread is stuck: the next submit starts another
+            self.timeouts += 1
+            self.live -= 1  # its thread is stuck: another takes its place now, not at the next submit
+        self._fill()
 
     def _work(self):
         while True:
             task = self.tasks.get()
             task.run()
+            if task.started is not None:  # (not one given up on before it started)
+                self.timeouts = 0
             if task.abandoned:
                 return
 
 
+DOWN_AFTER = 8  # calls in a row that time out, none answering meanwhile: the env is down (_Pool)
 POOL = _Pool(64)
 ANSWERED = threading.Event()  # set whenever a call on POOL returns: the episode loop waits on it when idle
 
 
 def guarded(calls, timeout):
     """Run calls, [(episode, what, fn, args)], all at once on POOL's threads (a tool's latency overlaps the
-    others'), each with a deadline from its start. Returns [(True, result) or (False, None)], a call that
-    raised, or missed its deadline, marking its episode failed."""
+    others'), each with a deadline from its start (sooner while the env is down: _Pool). Returns [(True, result)
+    or (False, None)], a call that raised, or missed its deadline, marking its episode failed."""
     tasks = [POOL.submit(fn, args) for _, _, fn, args in calls]
     return [outcome(ep, what, task, timeout) for (ep, what, _, _), task in zip(calls, tasks)]
 
@@ -222,21 +254,40 @@ def guarded(calls, timeout):
 def outcome(ep, what, task, timeout, wait=True):
     """A call's outcome, once it has one: (True, result), or (False, None) if it raised or missed its deadline
     (its episode is marked failed); None if it is still running and wait is False."""
-    while not task.done.is_set():
-        if task.started is not None and time.perf_counter() >= task.started + timeout:
-            POOL.write_off(task)
-            ep.env_s += timeout
-            return _fail(ep, what, TimeoutError(f"no answer in {timeout:g} s (rollout.env_timeout_s)"))
-        if not wait:
-            return None
-        task.done.wait(0.05 if task.started is None else max(0.0, task.started + timeout - time.perf_counter()))
-    ok, value, secs = task.result
+    result = _result(task, timeout, wait)
+    if result is None:
+        return None
+    ok, value, secs = result
     ep.env_s += secs
     return (True, value) if ok else _fail(ep, what, value)
 
 
+def _result(task, timeout, wait=True):
+    """(True, value, seconds) or (False, exception, seconds) once the call ended, raised or missed its deadline:
+    timeout from its start, or while the env is down a tenth of it from its submission (_Pool); None if it is
+    still running (or queued) and wait is False."""
+    while not task.done.is_set():
+        now, down = time.perf_counter(), POOL.down()
+        deadline = task.submitted + timeout / 10 if down else (task.started or math.inf) + timeout
+        if now >= deadline:
+            error = TimeoutError(f"no answer in {timeout / 10:g} s while the env is down ({POOL.timeouts} calls in a "
+                                 f"row timed out)" if down else f"no answer in {timeout:g} s (rollout.env_timeout_s)")
+            if task.give_up(error):  # still queued: it never starts
+                break
+            POOL.write_off(task)
+            return False, error, now - task.started
+        if not wait:
+            return None
+        task.done.wait(min(0.05, deadline - now))
+    return task.result
+
+
+def _why(what, e):
+    return f"{what} raised {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 def _fail(ep, what, e):
-    ep.failure = ep.failure or f"{what} raised {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    ep.failure = ep.failure or _why(what, e)
     ep.error = ep.error or e
     ep.finish = ep.finish or "failed"
     return False, None
@@ -307,19 +358,48 @@ def env_turns(turns, tokenizer, limits: Limits, name):
             _answer(ep, out, cut, tokenizer, limits, name)
 
 
+def _scalar(x):
+    """A numpy or torch scalar's Python value; anything else (an array of several values too) as it is."""
+    if not isinstance(x, (bool, int, float)) and callable(getattr(x, "item", None)):
+        try:
+            return x.item()
+        except (ValueError, RuntimeError):  # several values: the checks fail it
+            return x
+    return x
+
+
+def _reward(x):
+    """The reward as a float: a real number (numpy and torch scalars too), finite. A NaN would make its whole group's
+    advantages NaN and the step be skipped; a string is not a score."""
+    x = _scalar(x)
+    if not isinstance(x, numbers.Real) or not math.isfinite(x):
+        raise ValueError(f"the reward must be a finite number, got {x!r:.100}")
+    return float(x)
+
+
+def _flag(x):
+    """done as a bool: a bool, 0 or 1, or a numpy or torch scalar of one."""
+    x = _scalar(x)
+    if not (isinstance(x, bool) or isinstance(x, numbers.Integral) and x in (0, 1)):
+        raise TypeError(f"step()'s done must be a bool, got {x!r:.100}")
+    return bool(x)
+
+
 def _answer(ep: Episode, out, cut, tokenizer, limits: Limits, name):
-    try:
+    try:  # a return that breaks the contract fails its trajectory, whatever it breaks with
         if not (isinstance(out, tuple) and len(out) in (3, 4)):
             raise TypeError(f"step() must return (messages, reward, done) or (..., info), got {out!r:.200}")
         messages, reward, done, info = out if len(out) == 4 else (*out, {})
-        info = info or {}
-        ep.reward = float(reward)
-        ep.tool_calls += int(info.get("tool_calls", 0))
-        ep.tool_io += list(info.get("tool_io", ()))
+        info = {} if info is None else info
+        if not isinstance(info, dict):
+            raise TypeError(f"step()'s info must be a dict, got {info!r:.200}")
+        reward, done = _reward(reward), _flag(done)
+        tool_calls, tool_io = int(info.get("tool_calls", 0)), list(info.get("tool_io", ()))
         messages = _cap(messages, limits.max_env_chars)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 (the env's bug is data here)
         _fail(ep, f"{name}.step", e)
         return
+    ep.reward, ep.tool_calls, ep.tool_io = reward, ep.tool_calls + tool_calls, ep.tool_io + tool_io
     if info.get("void"):
         ep.finish = "void"
     elif cut:
@@ -341,12 +421,27 @@ def _answer(ep: Episode, out, cut, tokenizer, limits: Limits, name):
 
 
 def close(eps, name, limits: Limits):
-    """env.close(), once, for every episode that made an env (finished, cut, failed or cancelled)."""
+    """env.close(), once, for every episode that made an env (finished, cut, failed or cancelled). It runs after the
+    trajectories ended, so a close that raises or times out changes none of them (their rewards stand): it is
+    recorded on its own (Episode.close_failure, rollout/env_close_failures) with one warning line per call here.
+    Returns how many failed."""
     todo = [ep for ep in eps if ep.env is not None and callable(getattr(ep.env, "close", None))]
     envs = [ep.env for ep in todo]
     for ep in eps:
         ep.env = None
-    guarded([(ep, f"{name}.close", env.close, ()) for ep, env in zip(todo, envs)], limits.timeout_s)
+    tasks = [POOL.submit(env.close, ()) for env in envs]
+    failed = 0
+    for ep, task in zip(todo, tasks):
+        ok, value, secs = _result(task, limits.timeout_s)
+        ep.env_s += secs
+        if not ok:
+            ep.close_failure = _why(f"{name}.close", value)
+            failed += 1
+    if failed:
+        first = next(ep for ep in todo if ep.close_failure)
+        print(f"[env] {failed} of {len(todo)} {name}.close calls failed (their trajectories stand); the first, "
+              f"example {first.index}: {first.close_failure}", flush=True)
+    return failed
 
 
 # ----------------------------------------------------------------------------- the episode loop
@@ -448,9 +543,10 @@ def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopp
                 pending = [e for k, e in enumerate(pending) if k not in taken]
                 if pending and not taken and not call.busy:  # idle until an env answers (or a deadline nears)
                     ANSWERED.wait(0.05)
-        finally:  # cancelled: let the env calls in flight end (or time out) before close() runs beside them
-            for _, i, task, _ in pending:
-                task.done.wait(max(0.0, (task.started or time.perf_counter()) + limits.timeout_s - time.perf_counter()))
+        finally:  # cancelled: let the env calls in flight end (or time out) before close() runs beside them; the
+            for _, i, task, _ in pending:  # queued ones never start
+                if not task.give_up(RuntimeError("cancelled")):
+                    task.done.wait(max(0.0, task.started + limits.timeout_s - time.perf_counter()))
 
 
 def _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopping, each):

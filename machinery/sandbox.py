@@ -17,19 +17,39 @@ interpreter and virtualenv, so numpy and sympy are there); that reads the code f
 trainer talks to a worker over its stdin and stdout, one JSON line each way per run; run() takes an idle worker
 from a queue, or waits for one.
 
-Isolation, per worker (as far as the machine allows: `Sandbox.isolation` says what holds, start() warns once,
-in one line each, about what does not):
-- its own uid and gid, UID_BASE + the worker's pid, when the trainer is root: no other process on the machine
-  has it (one pid namespace assumed) and no process of it outlives a run. The code cannot signal the trainer,
-  read its environment or memory, or write its files. Not root: the code runs as the trainer's user (it could
-  signal the trainer's processes, and there is no process cap).
+Threat model: the code is hostile and runs thousands of times a step. Isolation is strict by default: start()
+refuses, in one line that names what is missing, a machine where any of the following cannot be had (not root,
+no CAP_SYS_ADMIN, a container without namespaces); Sandbox(isolation="weak") (data.env_args: isolation: weak)
+accepts it for a demo on a trusted machine, and start() then warns once per missing piece. `Sandbox.isolation`
+says what holds. Per worker:
+- its own uid and gid, UID_BASE + the worker's pid (the trainer is root): no other process on the machine has it
+  (one pid namespace assumed) and no process of it outlives a run. The code cannot signal the trainer, read its
+  environment, memory or open files, or write its files.
 - its own network namespace, with only its own loopback, left down: no network at all, not even the host's
-  127.0.0.1 (abstract unix sockets are per namespace too). Made once per worker, not per run: cheaper,
-  and nothing of a run survives into the next.
-- its own mount namespace: /tmp and /dev/shm are private tmpfs (disk_mb each), wiped after every run; and a
-  directory on the way to the interpreter that the uid could not pass (a 0700 /root that holds pyenv) is
-  covered by an empty tmpfs into which only the entries on that way are bound back: the rest of it stays hidden.
-  Not root: both namespaces are made inside a user namespace, where the kernel allows one.
+  127.0.0.1 (abstract unix sockets are per namespace too); and its own IPC namespace (SysV objects and POSIX
+  queues are not the host's; the SysV ones are removed after every run). Made once per worker, not per run:
+  cheaper, and nothing of a run survives into the next.
+- its own mount namespace, in which, in this order: a directory on the way to the interpreter that the uid
+  could not pass (a 0700 /root that holds pyenv) is covered by an empty tmpfs into which only the entries on
+  that way are bound back; the directories to hide (hide: the checkout this file is in, the trainer's working
+  directory, where runs/ lies, and whatever the caller names: the run_dir, with its checkpoints and rollout
+  dumps that hold the labels, and the data files' directories) are covered by an empty tmpfs the same way,
+  so code that looks for the answer finds nothing to read (the worker has read this file already); every mount
+  is made read-only (recursively: files the code writes outside the next item's places fail with EROFS);
+  /proc is a fresh one with hidepid=invisible, in which the uid sees only its own processes; and one fresh
+  tmpfs of disk_mb bytes and max_files inodes is bound, a directory of it each, over /tmp, /var/tmp, /dev/shm,
+  /run (with /run/lock) and /var/crash where they exist: every writable place the code sees, all of them
+  capped together in bytes and in files, and emptied after every run. 10,000 files or 2 GB written anywhere
+  end in "No space left on device" at the cap and leave the host's disk as it was. (Entries of the interpreter
+  in those places, a virtualenv in /tmp, are bound back, read-only.)
+- oom_score_adj 1000, inherited by every run: under memory pressure the kernel kills model code, never the
+  trainer (written as root with CAP_SYS_RESOURCE, it is also the floor, which the code cannot lower).
+Weak isolation (isolation="weak", where one of these is missing): not root, the code runs as the trainer's user
+(it can signal the trainer's processes, and there is no process cap); the namespaces are then made inside a user
+namespace where the kernel allows one, and what cannot be made is missing: without a mount namespace the code
+reads every file the user may (the checkout, the run_dir's labels, the data) and writes to the host's disk,
+where it stays; without a network namespace it reaches the network; without a private /proc it sees every
+process's command line.
 Per run:
 - its own session: on the wall-clock timeout (or when the code's process ends) the process group is killed, then
   every process of the uid (from a helper of that uid, kill(-1): atomic against a fork bomb), so children that
@@ -51,26 +71,35 @@ Per run:
   code written for them prints, and reads the same here. An exception prints its traceback with the
   sandbox's own frames removed and the code's lines shown (File "<tool>", line 3), exit status 1.
 
-What this does not isolate: the code shares the kernel with the trainer (a kernel exploit escapes), sees the
-host's processes in /proc (their command lines, not their environments or memory) and every file its uid may
-read (world-readable ones: the system, the project's source), and may use memory_mb of address space in each
-of max_procs processes. For untrusted code in production, run it in a container, or the workers under nsjail
-or bubblewrap (seccomp, a pid namespace, a read-only root, cgroup limits). Linux only.
+Waiting. A run's deadline (timeout_s) starts when a worker takes it; the wait for a free worker is bounded
+apart (wait_s) and ends in SandboxError, never in a timeout the model reads as its own. So a caller that
+gave up (env.py writes off a call past rollout.env_timeout_s) never takes a worker later, and one that holds
+a worker holds it timeout_s + GRACE_S at most.
+
+What this does not isolate: the code shares the kernel with the trainer (a kernel exploit escapes), reads
+every world-readable file not hidden (the system, the interpreter's virtualenv), sees /sys, may use memory_mb
+of address space in each of max_procs processes (and its tmpfs, disk_mb, is memory too), and POSIX message
+queues it makes live on in its worker's IPC namespace (RLIMIT_MSGQUEUE bounds them). For untrusted code in
+production, run it in a container, or the workers under nsjail or bubblewrap (seccomp, cgroup limits).
+Linux only.
 
 The file in reading order: the result (Result), the code's bootstrap, the trainer's side (Sandbox, _Worker),
 the worker's side (_serve, _Runner, output caps), the Linux calls.
 """
 import contextlib
 import ctypes
+import errno
 import json
 import math
 import os
 import queue
+import re
 import resource
 import select
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -82,6 +111,11 @@ TRUNCATED = "[... output truncated]"
 GRACE_S = 10.0  # the trainer waits this much past a run's timeout for its worker's answer, then replaces the worker
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # + HOME, TMPDIR: the scratch
+# Where the code may write (with strict isolation): the world-writable places programs expect, each a directory of
+# one tmpfs of the worker's, emptied after every run; the rest of the file system is read-only. /var/lock and
+# /var/run are links into /run on most systems; a place that does not exist stays absent (its parent is read-only).
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/crash", "/var/lock", "/var/run")
+SUBDIRS = {"/run": ("lock",)}  # made again (mode 1777) in a place after each wipe
 
 
 @dataclass
@@ -151,17 +185,25 @@ class Sandbox:
     """A pool of `workers` sandbox workers. start() once (cheap: before the model loads), run() from any thread,
     close() at the end (or use it as a context manager). Limits: timeout_s (per run, run() may override it),
     memory_mb (address space per process), max_procs (processes and threads of a run), max_output (bytes kept
-    of stdout, and of stderr), disk_mb (a file's size; each private tmpfs); echo: print the last expression's
-    value; python: the code's interpreter (default: the trainer's)."""
+    of stdout, and of stderr), disk_mb (a file's size; the bytes of all the writable places together),
+    max_files (their files and directories together), wait_s (the wait for a free worker); hide: paths the
+    code must not read, on top of the checkout and the working directory (hidden_dirs); isolation: "strict"
+    (refuse a machine that cannot isolate) or "weak" (accept it, with warnings); echo: print the last
+    expression's value; python: the code's interpreter (default: the trainer's)."""
 
     def __init__(self, workers=4, timeout_s=10.0, memory_mb=1024, max_procs=16, max_output=16384, disk_mb=64,
-                 echo=True, python=None, uid_base=UID_BASE):
+                 echo=True, python=None, uid_base=UID_BASE, max_files=4096, hide=(), wait_s=30.0,
+                 isolation="strict"):
         if workers < 1:
             raise ValueError(f"Sandbox: workers must be at least 1, got {workers}")
-        self.workers, self.timeout_s = workers, float(timeout_s)
+        if isolation not in ("strict", "weak"):
+            raise ValueError(f"Sandbox: isolation must be 'strict' or 'weak', got {isolation!r}")
+        self.workers, self.timeout_s, self.wait_s, self.strict = workers, float(timeout_s), float(wait_s), \
+            isolation == "strict"
         self.config = {"memory_mb": memory_mb, "max_procs": max_procs, "max_output": max_output, "disk_mb": disk_mb,
-                       "echo": echo, "python": python or sys.executable, "uid_base": uid_base}
-        self.isolation = {}  # what holds (the first worker's report): uid, network, mounts, hidden, warnings
+                       "max_files": max_files, "echo": echo, "python": python or sys.executable, "uid_base": uid_base,
+                       "hide": hidden_dirs(hide)}
+        self.isolation = {}  # what holds (the first worker's report): uid, network, mounts, hidden, missing, warnings
         self._idle, self._all, self._started, self._closed = queue.Queue(), [], False, False
 
     def start(self):
@@ -179,6 +221,11 @@ class Sandbox:
             self._idle.put(w)
         self._started = True
         self.isolation = {k: v for k, v in self._all[0].hello.items() if k != "pid"}
+        if self.strict and self.isolation["missing"]:  # weak isolation must be asked for, never only warned about
+            self.close()
+            raise SandboxError(f"the sandbox cannot isolate the model's code here: missing "
+                               f"{'; '.join(self.isolation['missing'])}. To run it with weaker isolation anyway (a "
+                               f"demo on a trusted machine), pass isolation='weak' (data.env_args: isolation: weak)")
         for warning in self.isolation["warnings"]:
             print(f"[sandbox] warning: {warning}", file=sys.stderr, flush=True)
         try:
@@ -192,12 +239,17 @@ class Sandbox:
         return self
 
     def run(self, code: str, timeout_s=None) -> Result:
-        """Run the code in a fresh interpreter on an idle worker (waiting for one while all are busy). Everything
-        the code does ends as a Result; SandboxError if the sandbox itself failed."""
+        """Run the code in a fresh interpreter on an idle worker (waiting up to wait_s for one while all are
+        busy). Everything the code does ends as a Result; SandboxError if the sandbox itself failed, or no
+        worker was free in time."""
         if not isinstance(code, str):
             raise TypeError(f"Sandbox.run: code must be a str, got {type(code).__name__}")
         timeout_s = self.timeout_s if timeout_s is None else float(timeout_s)
-        worker = self._idle.get()
+        try:  # the wait for a free worker is bounded on its own, and is not the code's time: its deadline starts
+            worker = self._idle.get(timeout=self.wait_s)  # below, once a worker has it
+        except queue.Empty:  # (a caller that gave up meanwhile never takes a worker later for nothing)
+            raise SandboxError(f"no sandbox worker was free within {self.wait_s:g} s (all {self.workers} "
+                               "busy)") from None
         try:
             if worker is None or self._closed:
                 raise SandboxError("the sandbox is closed")
@@ -313,6 +365,25 @@ def pids_of(uids):
     return found
 
 
+def hidden_dirs(paths=()):
+    """The directories to hide from the code (empty tmpfs over each): the checkout this file is in (a directory
+    with pyproject.toml or .git: not an installed package's site-packages), the trainer's working directory (the
+    default run_dir, runs/, lies in it), and each of `paths` (the run_dir, the data files): a file stands for its
+    directory, a path not made yet for its nearest existing parent. Never / itself."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = [checkout] if any(os.path.exists(os.path.join(checkout, n)) for n in ("pyproject.toml", ".git")) else []
+    dirs, cwd = set(), os.getcwd()
+    for p in [*found, *([cwd] if cwd != "/" else []), *paths]:  # (a trainer started in / hides its checkout only)
+        p = os.path.realpath(os.path.expanduser(os.fspath(p)))
+        path = p
+        while not os.path.isdir(p):
+            p = os.path.dirname(p)
+        if p == "/":
+            raise ValueError(f"Sandbox: cannot hide {path!r}: it is, or lies right in, / (the whole file system)")
+        dirs.add(p)
+    return sorted(dirs)
+
+
 # ----------------------------------------------------------------------------- the worker's side
 
 
@@ -336,12 +407,28 @@ class _Runner:
     """The worker: its namespaces and uid (made once), and the runs."""
 
     def __init__(self, config):
-        self.config, self.uid, self.tmp, warnings = config, None, tempfile.gettempdir(), []
-        self.private, self.kept = False, {}  # /tmp and /dev/shm are ours (a tmpfs in our namespace); entries bound back
+        self.config, self.uid, self.tmp, warnings, missing = config, None, tempfile.gettempdir(), [], []
+        self.places = {}  # the writable directories (ours: one tmpfs) -> the names in each bound back from the host
+        self.ipc = False  # the IPC objects of the runs are ours to remove
+
+        def lack(what, so):  # what strict isolation needs and this machine does not give (start() refuses)
+            missing.append(what)
+            warnings.append(f"{what} missing: {so}")
+
         root, real_uid, real_gid = os.geteuid() == 0, os.getuid(), os.getgid()
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the runs become this process's children, to be reaped
+        try:  # under memory pressure the kernel kills model code, never the trainer: every run inherits this
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError as e:
+            lack(f"oom_score_adj 1000 ({e})", "the OOM killer may pick the trainer over the code")
+        with open("/proc/self/status") as f:  # written with CAP_SYS_RESOURCE, 1000 is also the floor: the code
+            caps = int(next(line for line in f if line.startswith("CapEff:")).split()[1], 16)  # cannot lower it
+        oom_locked = bool(caps >> CAP_SYS_RESOURCE & 1)
+        if not oom_locked:  # (a container that drops the capability, as Docker's default set does)
+            warnings.append("no CAP_SYS_RESOURCE: the code can lower its own oom_score_adj below 1000")
         try:
-            _unshare(CLONE_NEWNS | CLONE_NEWNET | (0 if root else CLONE_NEWUSER))
+            _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | (0 if root else CLONE_NEWUSER))
             if not root:  # inside a user namespace: map our own uid and gid, nothing else
                 for name, text in (("setgroups", "deny"), ("uid_map", f"{real_uid} {real_uid} 1"),
                                    ("gid_map", f"{real_gid} {real_gid} 1")):
@@ -350,43 +437,54 @@ class _Runner:
             namespaces = True
         except OSError as e:
             namespaces = False
-            warnings.append(f"no network or mount namespace ({e}): the code can reach the network, and writes to "
-                            "the host's /tmp")
+            lack(f"network and mount namespaces ({e})", "the code can reach the network, and writes to the host's "
+                 "disk, where what it writes stays")
         if root:
             uid = config["uid_base"] + os.getpid()
             if _can_become(uid):
                 self.uid = uid
                 _kill_uid(uid)  # what a dead worker with this pid may have left
             else:
-                warnings.append(f"cannot switch to uid {uid} (not in this user namespace?): the code runs as root, "
-                                "with no process cap")
+                lack(f"a uid of its own ({uid}: not in this user namespace?)", "the code runs as root, with no "
+                     "process cap")
         else:
-            warnings.append(f"not root: the code runs as the trainer's user (uid {real_uid}) and can signal its "
-                            "processes; max_procs is not enforced (RLIMIT_NPROC would count all of that user's)")
-        hidden = []
+            lack("root (for a uid of its own per worker)", f"the code runs as the trainer's user (uid {real_uid}) "
+                 "and can signal its processes; max_procs is not enforced (RLIMIT_NPROC would count all of that "
+                 "user's)")
+        exposed, hidden = [], []
         if namespaces:
             try:
                 _mount(None, "/", None, MS_REC | MS_PRIVATE)  # first: nothing mounted below reaches the host
                 paths = self._interpreter_paths()
                 if self.uid is not None:
-                    hidden = _expose(paths)
-                size = f"size={config['disk_mb']}m"
-                for d in ("/tmp", "/dev/shm"):
-                    if os.path.isdir(d):  # a private tmpfs, with whatever of the interpreter lives there (a venv
-                        self.kept[d] = _names_under(d, paths)  # in /tmp/<checkout>) bound back in: never cleaned
-                        _cover(d, self.kept[d], f"mode=1777,{size}")
-                self.tmp, self.private = "/tmp", True
+                    exposed = _expose(paths)
+                hidden = _hide(config["hide"], paths, lack)
+                try:  # every mount, as it is now: nothing the code writes outside the tmpfs below outlives it
+                    _readonly_tree("/")
+                except OSError as e:
+                    lack(f"a read-only root ({e})", "the code can write wherever its uid may, and it stays")
+                try:  # a /proc of our own in which the runs' uid sees only its own processes (not the trainer)
+                    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+                except OSError as e:
+                    lack(f"a private /proc ({e})", "the code sees the host's processes and their command lines")
+                self.places = _writable(paths, config["disk_mb"], config["max_files"])
+                self.ipc = os.path.isdir("/proc/sysvipc")  # (a /proc of this IPC namespace: the one just mounted)
+                self.tmp = "/tmp"
             except OSError as e:
-                warnings.append(f"private /tmp not set up ({e}): runs use the host's {self.tmp}")
-        self.hello = {"pid": os.getpid(), "uid": self.uid, "network": namespaces, "private_tmp": self.private,
-                      "hidden": hidden, "warnings": warnings}
+                lack(f"private mounts ({e})", f"runs use the host's {self.tmp}")
+        os.chdir("/")  # the trainer's cwd may be one just hidden: hold nothing of it
+        self.hello = {"pid": os.getpid(), "uid": self.uid, "network": namespaces, "private_tmp": bool(self.places),
+                      "hidden": exposed, "hidden_paths": hidden, "oom_locked": oom_locked, "missing": missing,
+                      "warnings": warnings}
 
     def _interpreter_paths(self):
-        """What the code's interpreter reads: itself and, when it is ours, our sys.path (the same -I interpreter)."""
+        """What the code's interpreter reads: itself and, when it is ours, our sys.path (the same -I interpreter),
+        less this file's directory (the worker's sys.path[0]: the checkout's source stays hidden)."""
         python = self.config["python"]
         if os.path.realpath(python) != os.path.realpath(sys.executable):
             return [python, os.path.dirname(os.path.dirname(os.path.realpath(python)))]
-        return [python, sys.prefix, sys.base_prefix, *(p for p in sys.path if p and os.path.exists(p))]
+        here = os.path.dirname(os.path.abspath(__file__))
+        return [python, sys.prefix, sys.base_prefix, *(p for p in sys.path if p and os.path.exists(p) and p != here)]
 
     def run(self, code, timeout_s):
         """Run the code in a forked child that execs a fresh interpreter; read its output until it exits or the
@@ -493,17 +591,19 @@ class _Runner:
                 return
 
     def _clean(self, scratch):
-        shutil.rmtree(scratch, ignore_errors=True)
-        if self.private:  # ours alone (never the host's /tmp): whatever the code left in /tmp or /dev/shm goes too
-            for d in ("/tmp", "/dev/shm"):
-                for entry in os.scandir(d) if os.path.isdir(d) else ():
-                    if entry.name in self.kept.get(d, ()):  # the interpreter's own, bound in from the host
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path, ignore_errors=True)
-                    else:
-                        with contextlib.suppress(OSError):
-                            os.unlink(entry.path)
+        """Remove the scratch directory and everything the run left in the writable places (all ours, never the
+        host's: with no private places only the scratch goes), but the interpreter's entries bound back."""
+        _remove(scratch)
+        for d, kept in self.places.items():
+            for entry in os.scandir(d):
+                if entry.name not in kept:
+                    _remove(entry.path)
+            for name in SUBDIRS.get(d, ()):  # as the host has them (/run/lock): world-writable, sticky
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(os.path.join(d, name))
+                os.chmod(os.path.join(d, name), 0o1777)
+        if self.ipc:  # SysV shared memory, queues, semaphores: the IPC namespace is the worker's, they outlive runs
+            _remove_ipc()
 
     def _error(self, exit_code, timed_out, stderr, timeout_s):
         """Why the run did not end well, in one line (None if it did)."""
@@ -549,6 +649,30 @@ class _Capped:
         if self.tail:
             return f"{TRUNCATED}\n{text}"
         return text + ("" if text.endswith("\n") else "\n") + f"{TRUNCATED}\n"
+
+
+def _remove(path):
+    """Remove a file or a tree, however deep (rm's walk is not recursive: shutil.rmtree's hits Python's limit)."""
+    try:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except (OSError, RecursionError):
+        subprocess.run(["rm", "-rf", "--one-file-system", "--", path], stdin=subprocess.DEVNULL,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
+
+
+def _remove_ipc():
+    """Remove every SysV IPC object of this IPC namespace (the runs' only: the namespace is the worker's)."""
+    for kind, remove in (("shm", lambda i: _libc.shmctl(i, IPC_RMID, None)),
+                         ("msg", lambda i: _libc.msgctl(i, IPC_RMID, None)),
+                         ("sem", lambda i: _libc.semctl(i, 0, IPC_RMID))):
+        with contextlib.suppress(OSError), open(f"/proc/sysvipc/{kind}") as f:
+            for line in list(f)[1:]:  # (after the header) key, id, ...
+                remove(ctypes.c_int(int(line.split()[1])))
 
 
 def _read(fd, sink):
@@ -626,8 +750,17 @@ def _names_under(d, paths):
 
 def _cover(d, names, options):
     """Mount a fresh tmpfs over directory d, binding back its entries `names` (only those stay reachable)."""
-    held = {n: os.open(os.path.join(d, n), os.O_PATH) for n in sorted(names) if os.path.lexists(os.path.join(d, n))}
+    held = _hold(d, names)
     _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    _bind_back(d, held)
+
+
+def _hold(d, names):
+    """O_PATH handles on the entries `names` of d, taken before d is covered (they reach what lies beneath)."""
+    return {n: os.open(os.path.join(d, n), os.O_PATH) for n in sorted(names) if os.path.lexists(os.path.join(d, n))}
+
+
+def _bind_back(d, held):
     for name, fd in held.items():
         spot = os.path.join(d, name)
         if stat.S_ISDIR(os.fstat(fd).st_mode):
@@ -638,18 +771,83 @@ def _cover(d, names, options):
         os.close(fd)
 
 
+def _hide(dirs, paths, lack):
+    """Cover each directory of dirs (the checkout, the run_dir, the data) with an empty tmpfs, bound back in only
+    what of `paths` (the interpreter's) lies in it: code that looks for the labels finds nothing to read. Returns
+    the directories covered; one that cannot be is missing isolation (lack)."""
+    done = []
+    for d in sorted(dirs, key=lambda d: d.count("/")):  # outer first: an inner one under it is hidden with it
+        if any(d.startswith(h + "/") for h in done) or not os.path.isdir(d):
+            continue  # hidden already (under one covered just now, or under a 0700 directory _expose covered)
+        try:
+            _cover(d, _names_under(d, paths), "mode=0755,size=1m,nr_inodes=1024")
+            done.append(d)
+        except OSError as e:
+            lack(f"hiding {d} ({e})", "the code can read what is in it")
+    return done
+
+
+def _writable(paths, disk_mb, max_files):
+    """Mount one fresh tmpfs (disk_mb bytes, max_files inodes: together they cap what a run can write, in bytes
+    and in files) and bind a directory of it (mode 1777) over each place of WRITABLE, with the interpreter's
+    entries there (a virtualenv in /tmp) bound back in, read-only as the rest. Returns {place: names bound back}."""
+    places = []
+    for p in WRITABLE:
+        p = os.path.realpath(p)
+        if os.path.isdir(p) and not any(p == q or p.startswith(q + "/") for q in places):
+            places.append(p)
+    held = {p: _hold(p, _names_under(p, paths)) for p in places}  # before anything covers them
+    store = places[0]  # a mount point for the tmpfs until its own part covers it (last)
+    _mount("tmpfs", store, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,size={disk_mb}m,nr_inodes={max_files}")
+    for i, p in enumerate(places):
+        part = os.path.join(store, f".{i}")
+        os.mkdir(part)
+        os.chmod(part, 0o1777)
+        _bind_back(part, held[p])
+        for name in SUBDIRS.get(p, ()):
+            os.mkdir(os.path.join(part, name))
+            os.chmod(os.path.join(part, name), 0o1777)
+    for i in reversed(range(len(places))):
+        _mount(os.path.join(store, f".{i}"), places[i], None, MS_BIND | MS_REC)
+    return {p: set(held[p]) for p in places}
+
+
+def _readonly_tree(path):
+    """Make every mount at and below path read-only, in this mount namespace: mount_setattr(AT_RECURSIVE) where
+    the kernel has it (5.12), else a read-only bind remount of each mount in /proc/self/mountinfo."""
+    attr = ctypes.create_string_buffer(struct.pack("QQQQ", MOUNT_ATTR_RDONLY, 0, 0, 0), 32)
+    ret = _libc.syscall(ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path.encode(),
+                        ctypes.c_uint(AT_RECURSIVE), attr, ctypes.c_size_t(32))
+    if ret == 0:
+        return
+    if ctypes.get_errno() not in (errno.ENOSYS, errno.EINVAL):
+        _checked(ret, f"mount_setattr {path}")
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    for fields in mounts:  # (mount point, its options): the flags a remount must keep
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if point == path or point.startswith(path.rstrip("/") + "/"):
+            keep = sum(flag for name, flag in (("nosuid", MS_NOSUID), ("nodev", MS_NODEV), ("noexec", MS_NOEXEC))
+                       if name in fields[5].split(","))
+            with contextlib.suppress(FileNotFoundError, PermissionError):  # (one covered by another: unreachable)
+                _mount(None, point, None, MS_BIND | MS_REMOUNT | MS_RDONLY | keep)
+
+
 # ----------------------------------------------------------------------------- Linux calls (ctypes: os.unshare is 3.12)
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x08000000, 0x10000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1  # (442 on every architecture)
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+CAP_SYS_RESOURCE, IPC_RMID = 24, 0
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _checked(ret, what):
     if ret != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
 
 
 def _unshare(flags):

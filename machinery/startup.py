@@ -9,6 +9,7 @@ shards; on resume the latest readable checkpoint) -> the engine -> the metrics l
 Each check fails with one line naming the key or file (config.ConfigError), before any weights load where it can.
 """
 import argparse
+import inspect
 import os
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ import dsa
 from machinery import env, hub
 from machinery.checkpoint import MetricsLog, Preemption, checkpoints, load_latest, seed_all, set_rng_state, starting_point
 from machinery.config import (Config, ConfigError, architecture, check_memory, check_paths, eval_sets, hub_specs,
-                              load_config, load_run_config, save_config)
+                              load_config, load_run_config, save_config, sources)
 from machinery.engine import make_engine
 from machinery.lora import base_dir
 from machinery.parallel import (barrier, init_processes, launch, load_learner, once_per_machine, pair_devices, rank,
@@ -41,6 +42,18 @@ class Run:
     resume: dict | None  # the checkpoint's state.pt (None: a fresh run)
     log: MetricsLog
     preempt: Preemption
+
+
+def env_args(cfg):
+    """data.env_args, plus the run's own paths for an env whose setup hides paths from model code (PythonMath's
+    sandbox takes `hide`): the run_dir (checkpoints, rollout dumps: the labels) and the local data files, wherever
+    they are (the sandbox hides the working directory and the Hub cache by itself)."""
+    args = dict(cfg.data.env_args or {})
+    setup = getattr(data.load_object(cfg.data.env, "data.env"), "setup", None)
+    if callable(setup) and "hide" in inspect.signature(setup).parameters:
+        local = [os.path.abspath(p) for p in sources(cfg).values() if os.path.exists(p)]
+        args["hide"] = [*args.get("hide", ()), os.path.abspath(cfg.run_dir), *local]
+    return args
 
 
 def parse(argv, description, default_config):
@@ -97,7 +110,7 @@ def start(argv, description, script, default_config, single_turn) -> Run | None:
     try:  # data.py, model.py and transformers name the file and what was wrong: show that, not a traceback
         tokenizer = AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer") or start)
         reward = data.load_reward(cfg.data.reward, cfg.data.answer_line)  # (answer_line: the built-in grader's option)
-        env_cls = env.load_env(cfg.data.env, cfg.data.env_args) if cfg.data.env else single_turn(reward)
+        env_cls = env.load_env(cfg.data.env, env_args(cfg)) if cfg.data.env else single_turn(reward)
         examples_of = lambda src, split: data.load_examples(  # noqa: E731  (all prompts tokenized now: fail in seconds)
             src, tokenizer, cfg.data, split=split, seed=cfg.seed, sft=cfg.train.sft_steps > 0, chat_template=
             cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens, verbose=rank() == 0,

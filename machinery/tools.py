@@ -27,6 +27,7 @@ traceback, a timeout, a MemoryError, a crash) is the text the model reads next; 
 """
 import atexit
 import json
+import os
 import re
 import threading
 
@@ -137,14 +138,20 @@ class PythonMath:
 
     @classmethod
     def setup(cls, *, workers=8, timeout_s=10.0, memory_mb=2048, max_procs=32, max_output_chars=MAX_OUTPUT_CHARS,
-              answer_line=False):
+              answer_line=False, hide=(), isolation="strict", wait_s=30.0):
         """Start this process's sandbox (closing one started before): `workers` runs at once, each with
         timeout_s, memory_mb of address space per process, max_procs processes, and max_output_chars of
         output kept (per stream by the sandbox, then of the whole message). answer_line: a final "Answer: ..."
-        line is an answer too (DAPO's prompts ask for one; data.math_reward's answer_line grades it)."""
+        line is an answer too (DAPO's prompts ask for one; data.math_reward's answer_line grades it).
+        hide: more paths the code must not read (a run_dir or data files outside the working directory), on top
+        of the checkout, the working directory (runs/ lies in it) and the Hugging Face cache (the datasets).
+        isolation="weak" accepts a machine without root or namespaces (a demo); by default such a machine is
+        refused. wait_s bounds the wait for a free worker (a SandboxError, not the code's timeout): with the
+        defaults, wait_s + timeout_s + the sandbox's grace stays below rollout.env_timeout_s (60 s)."""
         global _shared, _exit_hook, _answer_line
         _answer_line = bool(answer_line)
-        box = Sandbox(workers, timeout_s, memory_mb, max_procs, max_output_chars).start()
+        box = Sandbox(workers, timeout_s, memory_mb, max_procs, max_output_chars, hide=[*hide, *_data_dirs()],
+                      isolation=isolation, wait_s=wait_s).start()
         with _lock:
             old, _shared = _shared, (box, max_output_chars)
             if not _exit_hook:  # the workers would end with the trainer anyway; this ends them in order
@@ -168,6 +175,14 @@ _shared = None  # (Sandbox, max_output_chars) of this process, once started
 _exit_hook = False
 _answer_line = False  # setup(answer_line=True)
 ANSWER_LINE = re.compile(r"^\s*Answer\s*:", re.M)  # DAPO's last line, as data.math_reward reads it
+
+
+def _data_dirs():
+    """The Hugging Face cache's directories that exist (where hub.py's datasets, and their labels, are kept)."""
+    home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    dirs = {os.environ.get("HF_HUB_CACHE", os.path.join(home, "hub")), os.environ.get("HF_DATASETS_CACHE",
+                                                                                      os.path.join(home, "datasets"))}
+    return sorted(d for d in dirs if os.path.isdir(d))
 
 
 def _sandbox():

@@ -98,6 +98,7 @@ def test_unknown_key_names_key_and_suggestion(tmp_path):
     ("rollout.max_total_tokens=60", "(92 tokens) must fit model.init.max_position_embeddings (64)"),
     ("rollout.max_failure_fraction=1.5", "rollout.max_failure_fraction must be in [0, 1], got 1.5"),
     ("rollout.env_timeout_s=0", "rollout.env_timeout_s must be a finite number > 0"),
+    ("rollout.n=1", "rollout.n must be >= 2, got 1: a group of one has no baseline (every advantage is 0)"),
 ])
 def test_bad_values_fail_with_the_key(override, message):
     with pytest.raises(ConfigError) as e:

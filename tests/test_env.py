@@ -5,8 +5,10 @@ engine; limits, void turns, failures (raise, timeout, malformed), close() on eve
 calculator."""
 import random
 import string
+import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -310,3 +312,117 @@ def test_a_bad_env_spec_is_one_line():
                                          r"did you mean 'Calculator'\?"):
         env.load_env("machinery.env:Calculatr")
     assert env.load_env("machinery.env:Calculator") is env.Calculator
+
+
+# ----------------------------------------------------------------------------- env calls that hang, fail or misbehave
+
+
+def release(event):
+    """Let the test's hanging calls return, and wait until one has (the pool no longer takes the env for down)."""
+    event.set()
+    deadline = time.perf_counter() + 5
+    while env.POOL.timeouts and time.perf_counter() < deadline:
+        time.sleep(0.01)
+
+
+def within(seconds, fn):
+    """fn() on a daemon thread: its result, or a test failure (not a hung suite) if it takes longer than seconds."""
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("v", fn()), daemon=True)
+    t0 = time.perf_counter()
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s"
+    return out.get("v"), time.perf_counter() - t0
+
+
+def test_hundreds_of_hanging_calls_end_within_twice_the_timeout():
+    """300 calls that never return, on the 64-thread pool: the first 64 time out after env_timeout_s; the queued ones
+    must not wait for a later submit that never comes: each call ends within 2 x env_timeout_s of its submission."""
+    never = threading.Event()
+    try:
+        eps = [Episode({}, i) for i in range(300)]
+        results, secs = within(10, lambda: env.guarded([(ep, "Hang.step", never.wait, ()) for ep in eps], 0.3))
+        assert results == [(False, None)] * 300 and secs < 2 * 0.3 + 1
+        assert all(ep.failure.startswith("Hang.step raised TimeoutError") for ep in eps)
+    finally:
+        release(never)  # the stuck threads return and leave the pool
+
+
+class Hang(Scripted):
+    never = threading.Event()
+
+    def step(self, text):
+        Hang.never.wait()
+
+
+def test_more_hanging_steps_than_threads_in_the_session_loop():
+    """_play with 100 turns (one token each: they all end at once) whose env never answers, more than the pool's 64
+    threads: every trajectory fails with a timeout within a few env_timeout_s, none waits forever."""
+    tok = tool_tokenizer()
+    engine = tiny_engine(tok)
+    engine.max_batch = 128
+    Hang.never = threading.Event()
+    try:
+        (eps, order, _, _), secs = within(15, lambda: play(Hang, [{"prompt": "a"}] * 100, Limits(1, 40, 2, timeout_s=0.3),
+                                                           tok, engine))
+        assert sorted(order) == list(range(100)) and secs < 5
+        assert all(ep.failure.startswith("Hang.step raised TimeoutError") for ep in eps)
+    finally:
+        release(Hang.never)
+
+
+class Unclosable(Scripted):
+    def close(self):
+        if self.example["prompt"] == "hang":
+            Hang.never.wait()
+        raise OSError("sandbox gone")
+
+
+def test_a_failed_close_changes_no_trajectory(capsys):
+    """close() runs after the trajectory ended: one that raises or times out is counted on its own (close_failure,
+    one warning line) and leaves the trajectory's reward, finish and failure as they were."""
+    Hang.never = threading.Event()
+    try:
+        eps, order, _, _ = play(Unclosable, [{"prompt": "a"}, {"prompt": "hang"}],
+                                Limits(max_new_tokens=12, max_total_tokens=100, max_turns=5, timeout_s=0.3))
+    finally:
+        release(Hang.never)
+    assert all(ep.failure is None and ep.finish in ("stop", "length") and ep.reward == 1.0 for ep in eps)
+    assert eps[0].close_failure == "Unclosable.close raised OSError: sandbox gone"
+    assert eps[1].close_failure.startswith("Unclosable.close raised TimeoutError")
+    lines = [line for line in capsys.readouterr().out.splitlines() if "close" in line]
+    assert len(lines) == 1 and "2 of 2 Unclosable.close calls failed" in lines[0]
+
+
+class Malformed(Scripted):
+    def step(self, text):
+        return self.example["out"]
+
+
+@pytest.mark.parametrize("out, why", [
+    (([], 1.0, True, "void"), "info must be a dict"),
+    (([], 1.0, True, [1]), "info must be a dict"),
+    (([], 1.0, np.array([True, False])), "done must be a bool"),
+    (([], 1.0, torch.tensor([1, 1])), "done must be a bool"),
+    (([], 1.0, "yes"), "done must be a bool"),
+    (([], float("nan"), True), "the reward must be a finite number, got nan"),
+    (([], float("inf"), True), "the reward must be a finite number, got inf"),
+    (([], np.float32("nan"), True), "the reward must be a finite number, got nan"),
+    (([], "1.0", True), "the reward must be a finite number, got '1.0'"),
+    (([], None, True), "the reward must be a finite number, got None"),
+    (([], torch.tensor([1.0, 2.0]), True), "the reward must be a finite number"),
+])
+def test_a_malformed_return_fails_its_trajectory(out, why):
+    """Any return that breaks the contract fails its trajectory, naming the value, instead of killing the loop."""
+    eps, order, _, _ = play(Malformed, [{"prompt": "a", "out": out}], Limits(12, 100, 5))
+    assert order == [0] and eps[0].finish == "failed"
+    assert eps[0].failure.startswith("Malformed.step raised") and why in eps[0].failure
+
+
+@pytest.mark.parametrize("done, reward", [(np.bool_(True), np.float32(0.5)), (torch.tensor(True), torch.tensor(0.5)),
+                                          (np.int64(1), np.float64(0.5)), (1, 0.5)])
+def test_numpy_and_tensor_scalars_are_accepted(done, reward):
+    """A numpy or torch scalar (bool or 0/1) done, and a real-number scalar reward, are taken at their value."""
+    eps, _, _, _ = play(Malformed, [{"prompt": "a", "out": ([], reward, done)}], Limits(12, 100, 5))
+    assert eps[0].failure is None and eps[0].finish == "stop" and eps[0].reward == 0.5 and type(eps[0].reward) is float

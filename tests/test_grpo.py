@@ -100,6 +100,8 @@ def test_group_advantages_hand_formula():
 
 def test_informative():
     assert [grpo.informative(g) for g in ([1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0] * 3, [0.5])] == [False, True, False, False]
+    nan = float("nan")  # unequal even to itself: not two different rewards
+    assert not grpo.informative([nan, nan]) and not grpo.informative([float("nan"), float("nan"), 1.0])
 
 
 def test_fresh_mask():

@@ -1,6 +1,10 @@
 """rollout.py: the generator thread's staleness gate, weights between batches, dynamic sampling and
 over-sampling, truncated responses, error surfacing and shutdown; eval's accuracy and pass@k."""
+import math
+import threading
 import time
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,7 +14,8 @@ from data import PromptStream, make_tiny_tokenizer
 from machinery.engine import SamplingParams, TorchEngine, sample_tokens
 from model import GLM, GLMConfig
 from machinery.config import RolloutConfig
-from machinery.env import Limits
+from machinery import env
+from machinery.env import Calculator, Limits
 from rollout import Generator, evaluate, single_turn
 from test_engine import keys, slow
 
@@ -217,10 +222,10 @@ def test_a_reward_that_raises_is_data_until_too_many_fail(tmp_path, capsys):
     assert "env failure on example" in out and "flaky.step raised ZeroDivisionError: grader exploded" in out
     saved = (tmp_path / "env_failures" / "flaky_step_raised_ZeroDivisionError.txt").read_text()
     assert "Traceback" in saved and "grader exploded" in saved
-    gen = make_generator(0, reward_fn=lambda text, example: 1 / 0, n=2)
+    gen = make_generator(0, reward_fn=lambda text, example: 1 / 0, n=2)  # the first round's 4 fail: no further round
     gen.start()
     try:
-        with pytest.raises(rollout.TooManyFailures, match=r"16 of 16 trajectories of rollout batch 0 failed in the env "
+        with pytest.raises(rollout.TooManyFailures, match=r"4 of 4 trajectories of rollout batch 0 failed in the env "
                                                           r"\(over rollout.max_failure_fraction=0.5\); the first: <lambda>"):
             gen.get(timeout=30)
     finally:
@@ -308,3 +313,136 @@ def test_void_turns_end_their_trajectory_masked_with_the_reward_kept():
         gen.stop()
     assert batch.samples and all(s.masked and s.finish_reason == "void" and s.reward == 0.5 for s in batch.samples)
     assert batch.metrics["rollout/void"] == 1.0 and batch.metrics["rollout/env_failures"] == 0
+
+
+# ----------------------------------------------------------------------------- envs that hang, fail to close, misreport
+
+
+class Hang:
+    """An env whose backend is down: every step waits forever (until the test sets `never`)."""
+    never = threading.Event()
+
+    def __init__(self, example):
+        self.example = example
+
+    def reset(self):
+        return [{"role": "user", "content": self.example["prompt"]}]
+
+    def step(self, text):
+        Hang.never.wait()
+
+
+def env_generator(env_cls, prompts_per_step=2, n=2, **kw):
+    tok = make_tiny_tokenizer()
+    examples = [{"prompt": f"{a}+1=", "label": str(a + 1)} for a in range(10)]
+    return Generator(TorchEngine(tiny_model_for(tok)), PromptStream(examples, seed=0), tok,
+                     rollout_cfg(0, prompts_per_step=prompts_per_step, n=n, **kw),
+                     SamplingParams(max_new_tokens=4, stop_token_ids=(tok.eos_token_id,)), env_cls=env_cls)
+
+
+def test_a_run_whose_env_hangs_on_every_call_stops_with_one_line():
+    """256 trajectories whose step never returns, four times the pool's 64 threads: the learner's get() (no timeout)
+    raises TooManyFailures naming the env, the call and the count within a few env_timeout_s, never hangs."""
+    Hang.never = threading.Event()
+    gen = env_generator(Hang, prompts_per_step=128, env_timeout_s=0.3)
+    gen.sampling = replace(gen.sampling, max_new_tokens=1)  # one token a turn: the time is the env's, not the engine's
+    gen.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(rollout.TooManyFailures, match=r"^256 of 256 trajectories of rollout batch 0 failed in the env "
+                                                          r".*; the first: Hang.step raised TimeoutError"):
+            gen.get(timeout=20)
+        assert time.perf_counter() - t0 < 10  # mostly the engine's own time (old: never returned)
+    finally:
+        gen.stop()
+        Hang.never.set()
+        while env.POOL.timeouts and time.perf_counter() < t0 + 15:  # the pool takes the env for down until one returns
+            time.sleep(0.01)
+
+
+def test_a_dead_generator_never_keeps_the_learner_waiting(monkeypatch):
+    """The generator thread dies: get() without a timeout raises, and publish() (which waits for batches) returns."""
+    gen = make_generator(1)
+    monkeypatch.setattr(gen.engine, "session", lambda *a, **k: 1 / 0)
+    gen.start()
+    gen.thread.join(10)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="generator thread failed"):
+        gen.get()
+    gen.publish([], version=1)
+    assert time.perf_counter() - t0 < 2
+    gen.stop()
+
+
+class Unclosable(Hang):
+    def step(self, text):
+        return [], float(self.example["label"] == "2"), True
+
+    def close(self):
+        raise OSError("sandbox gone")
+
+
+def test_a_failed_close_is_counted_apart_and_changes_nothing(capsys):
+    """close() raising ends no run and relabels no trajectory: the batch trains as it would, rollout/env_close_failures
+    counts the closes (one warning line), eval scores the solved episodes; single-turn rows have no such key."""
+    gen = env_generator(Unclosable, n=2)
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)
+    finally:
+        gen.stop()
+    m = batch.metrics
+    assert len(batch.samples) == 4 and m["rollout/env_failures"] == 0 and m["rollout/env_close_failures"] == 4
+    lines = [line for line in capsys.readouterr().out.splitlines() if "close" in line]
+    assert len(lines) == 1 and "4 of 4 Unclosable.close calls failed" in lines[0]
+    tok = make_tiny_tokenizer()
+    out = evaluate(gen.engine, [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}], tok, n=2,
+                   sampling=SamplingParams(max_new_tokens=3), chat_template=True, limits=Limits(3, 3, 1), env_cls=Unclosable)
+    assert out["accuracy"] == 0.5 and out["env_failure_rate"] == 0.0
+    gen = make_generator(0)
+    gen.start()
+    try:
+        assert "rollout/env_close_failures" not in gen.get(timeout=30).metrics
+    finally:
+        gen.stop()
+
+
+def test_a_non_finite_or_non_numeric_reward_fails_its_trajectory(capsys):
+    """A reward hook that returns NaN, inf or a string fails that trajectory with a warning naming the hook, the
+    example and the value (a NaN would turn its group's advantages into NaN); eval counts it wrong, never NaN."""
+    bad = {"2": float("nan"), "3": "1.0", "4": float("inf")}
+
+    def reward(text, example):
+        return bad.get(example["label"], 1.0)
+
+    gen = make_generator(0, reward_fn=reward, n=2)
+    gen.prompts_per_step = 10  # every prompt: 0+1= .. 9+1=
+    gen.max_failures = 1.0
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)
+    finally:
+        gen.stop()
+    assert all(math.isfinite(s.reward) and s.example["label"] not in bad for s in batch.samples)
+    out = capsys.readouterr().out
+    assert "reward.step raised ValueError: the reward must be a finite number, got nan" in out
+    assert "reward.step raised ValueError: the reward must be a finite number, got '1.0'" in out
+    tok = make_tiny_tokenizer()
+    m = evaluate(gen.engine, [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}], tok, n=2,
+                 sampling=SamplingParams(max_new_tokens=3), chat_template=True, limits=Limits(3, 3, 1),
+                 env_cls=single_turn(reward))
+    assert m["accuracy"] == 0.0 and m["pass@2"] == 0.0
+
+
+def test_sft_traces_that_fail_on_any_rank_are_dropped_on_every_rank(monkeypatch):
+    """Every rank plays the same global batch of supervised traces: one that failed on another rank only (a flaky env)
+    is dropped here too, so the ranks split the same rows."""
+    tok = make_tiny_tokenizer(tools=True)
+    ex = {"prompt": "37*48=", "label": "1776", "solution": ["calc(37*48)", "\\boxed{1776}"]}
+    short = ex | {"solution": ["calc(37*48)"]}  # the env goes on after the trace: fails on every rank
+    cfg = SimpleNamespace(data=SimpleNamespace(env="machinery.env:Calculator"), rollout=rollout_cfg(0, max_new_tokens=64))
+    assert [r is None for r in rollout.sft_rows(cfg, tok, [ex, ex, short], Calculator)] == [False, False, True]
+    gathered = []
+    monkeypatch.setattr(rollout, "all_gather", lambda mine: gathered.append(mine) or [mine, {1}])  # rank 1 lost trace 1
+    assert [r is None for r in rollout.sft_rows(cfg, tok, [ex, ex, short], Calculator)] == [False, True, True]
+    assert gathered == [{2}]

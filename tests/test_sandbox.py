@@ -1,14 +1,23 @@
 """sandbox.py: ordinary runs (print, the last expression, tracebacks, unicode, a long run in time, the scratch
 directory and environment), every hostile case ending as a message (a timeout, a memory hog, a fork bomb, a
 network attempt, an output flood, a run that kills itself, closes its stdout or segfaults), many runs from
-threads at once, and nothing left running after a run or after close(). Each limit the machine cannot enforce
-(not root, no namespaces) skips its test and says why; the fork bomb runs only after a harmless probe shows
-that the process cap holds."""
+threads at once, and nothing left running after a run or after close(). Hostile programs that go for the host
+(issue 36): 10,000 files and 2 GB written anywhere writable, a planted secret in the environment, the trainer's
+/proc, the other processes, a planted label in a run_dir and a dataset directory, the checkout's files, the OOM
+score; the wait for a worker is bounded apart from the code's timeout; a machine without the isolation is
+refused unless isolation="weak" is asked for (simulated: a uid that cannot be had). Where the machine cannot
+isolate (not root, no namespaces), the module's sandbox is a weak one and the tests of isolation skip, saying
+why; the fork bomb runs only after a harmless probe shows that the process cap holds. Every test is bounded:
+what a run may write is capped (disk_mb, max_files), and the host's side is measured before and after."""
+import glob
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
+import uuid
 
 import pytest
 
@@ -19,9 +28,30 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 MAX_PROCS = 8
 
 
+LIMITS = {"workers": 4, "timeout_s": 2, "memory_mb": 256, "max_procs": MAX_PROCS, "disk_mb": 64, "max_files": 4096}
+
+
+def start(**overrides):
+    """A strict sandbox; where the machine refuses one, a weak one whose `refused` says why (isolation tests skip)."""
+    try:
+        b = Sandbox(**LIMITS | overrides).start()
+        b.refused = None
+    except SandboxError as e:
+        if "isolation='weak'" not in str(e):
+            raise
+        b = Sandbox(**LIMITS | overrides, isolation="weak").start()
+        b.refused = str(e)
+    return b
+
+
+def need_strict(b):
+    if b.refused:
+        pytest.skip(f"no strict isolation on this machine: {b.refused}")
+
+
 @pytest.fixture(scope="module")
 def box():
-    b = Sandbox(workers=4, timeout_s=2, memory_mb=256, max_procs=MAX_PROCS).start()
+    b = start()
     yield b
     b.close()
 
@@ -222,6 +252,213 @@ def test_close_leaves_nothing_behind():
     assert not [p for p in workers if os.path.exists(f"/proc/{p}")]  # each worker exited and was reaped
     with pytest.raises(SandboxError, match="closed"):
         b.run("print(1)")
+
+
+# ----------------------------------------------------------------------------- hostile programs (issue 36)
+
+
+def host_dir(prefix):
+    """A world-readable directory of the test's on the host, outside every place the sandbox makes private (/tmp,
+    /var/tmp, /run, ...): what the sandbox must hide by itself. None if no such place is writable here."""
+    for parent in ("/var/cache", "/opt", "/srv", "/var/lib"):
+        try:
+            d = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        except OSError:
+            continue
+        os.chmod(d, 0o755)
+        return d
+    return None
+
+
+def free(path):
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize, st.f_favail
+
+
+def test_ten_thousand_files_anywhere_leave_nothing_on_the_host(box):
+    need_strict(box)
+    tag = f"hostile-{uuid.uuid4().hex[:8]}"
+    open_dir = host_dir("sandbox-ww-")  # a world-writable directory of the host's own, not one of the usual ones
+    if open_dir is None:
+        pytest.skip("no place on this host to make a world-writable directory in")
+    os.chmod(open_dir, 0o1777)
+    places = ["/tmp", "/var/tmp", "/dev/shm", "/run/lock", "/var/crash", open_dir, "."]
+    before = {d: free(d) for d in ("/", "/var/tmp", "/dev/shm")}
+    code = (f"import os\nfor d in {places!r}:\n    n, why = 0, 'all'\n    try:\n        for i in range(10_000):\n"
+            f"            with open(os.path.join(d, '{tag}-%d' % i), 'w') as f:\n                f.write('x')\n"
+            f"            n += 1\n    except OSError as e:\n        why = e.strerror\n    print(d, n, why)")
+    try:
+        start_t = time.perf_counter()
+        r = box.run(code, timeout_s=20)
+        assert r.ok and time.perf_counter() - start_t < 15, r
+        wrote = {line.split(" ", 2)[0]: int(line.split(" ", 2)[1]) for line in r.stdout.splitlines()}
+        assert wrote[open_dir] == 0 and wrote["/var/crash"] == 0  # read-only: nothing at all
+        assert sum(wrote.values()) <= LIMITS["max_files"]  # all of a run's writable places share one file cap
+        for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock", open_dir):  # nothing of it on the host
+            assert glob.glob(os.path.join(d, f"{tag}-*")) == [], d
+        after = {d: free(d) for d in before}
+        for d in before:  # (other processes on the machine move these a little)
+            assert abs(after[d][0] - before[d][0]) < 256 << 20 and abs(after[d][1] - before[d][1]) < 2000, d
+        again = box.run(f"import glob\nprint(sum(len(glob.glob(d + '/{tag}-*')) for d in {places!r}))")
+        assert again.stdout == "0\n"  # and nothing for the next run: every place was wiped (whichever worker)
+    finally:
+        for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock"):
+            for f in glob.glob(os.path.join(d, f"{tag}-*")):
+                os.unlink(f)
+        shutil.rmtree(open_dir, ignore_errors=True)
+
+
+def test_two_gigabytes_are_stopped_at_the_cap_quickly(box):
+    need_strict(box)
+    tag = f"hostile-{uuid.uuid4().hex[:8]}"
+    before = {d: free(d)[0] for d in ("/", "/var/tmp", "/dev/shm")}
+    code = (f"import os\ntotal, chunk = 0, b'x' * (1 << 20)\n"
+            f"try:\n    for d in ['/var/tmp', '.', '/dev/shm', '/tmp']:\n        for i in range(64):\n"
+            f"            with open(os.path.join(d, '{tag}-%d' % i), 'wb') as f:\n"
+            f"                for _ in range(32):\n                    f.write(chunk)\n                    f.flush()\n"
+            f"                    total += len(chunk)\n                    if total >= 2 << 30:\n"
+            f"                        raise SystemExit('wrote 2 GB')\nexcept OSError as e:\n    print(e.strerror)\n"
+            f"print(total >> 20, 'MiB')")
+    try:
+        start_t = time.perf_counter()
+        r = box.run(code, timeout_s=20)
+        assert r.ok and time.perf_counter() - start_t < 5, r
+        error, written = r.stdout.splitlines()
+        assert error == "No space left on device" and int(written.split()[0]) <= LIMITS["disk_mb"], r
+        for d, was in before.items():
+            assert abs(free(d)[0] - was) < 256 << 20, d
+            assert glob.glob(os.path.join(d, f"{tag}-*")) == []
+    finally:
+        for d in ("/var/tmp", "/dev/shm", "/tmp"):
+            for f in glob.glob(os.path.join(d, f"{tag}-*")):
+                os.unlink(f)
+
+
+def test_no_secret_and_no_other_process_in_reach(monkeypatch):
+    """A secret planted in the trainer's environment before the workers start; the code looks in its own
+    environment, in the trainer's and its worker's /proc entries, and for any other process."""
+    monkeypatch.setenv("HF_TOKEN", "planted-secret-36")
+    b = start(workers=1)
+    try:
+        need_strict(b)
+        me = os.getpid()
+        code = (f"import os\nprint('env', os.environ.get('HF_TOKEN'), 'planted-secret-36' in repr(os.environ))\n"
+                f"for pid in ({me}, os.getppid(), 1):\n    for what in ('environ', 'cmdline', 'maps', 'mem', 'fd'):\n"
+                f"        try:\n            p = f'/proc/{{pid}}/{{what}}'\n"
+                f"            got = os.listdir(p) if what == 'fd' else open(p, 'rb').read(64)\n"
+                f"            print('read', pid == {me} and 'trainer' or pid, what)\n"
+                f"        except OSError as e:\n            pass\n"
+                f"others = [p for p in os.listdir('/proc') if p.isdigit() and p != str(os.getpid())]\n"
+                f"print('others', len(others))")
+        r = b.run(code)
+        assert r.ok and r.stdout == "env None False\nothers 0\n", r  # nothing read, no process but its own seen
+    finally:
+        b.close()
+
+
+def test_labels_run_dir_data_and_checkout_are_hidden():
+    """A run_dir and a dataset directory with a planted label (outside /tmp: the host's own directories), passed
+    to the Sandbox as PythonMath.setup passes them, and the checkout's own files: the code finds nothing."""
+    run_dir, data_dir = host_dir("sandbox-run-"), host_dir("sandbox-data-")
+    if run_dir is None:
+        pytest.skip("no world-readable place on this host to plant a label in")
+    b = None
+    try:
+        for d in (run_dir, data_dir):
+            os.makedirs(os.path.join(d, "rollouts"))
+            with open(os.path.join(d, "rollouts", "labels.jsonl"), "w") as f:
+                f.write('{"label": "planted-label-36"}\n')
+            os.chmod(os.path.join(d, "rollouts", "labels.jsonl"), 0o644)
+        checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        b = start(workers=1, hide=[run_dir, os.path.join(data_dir, "rollouts", "labels.jsonl")])
+        need_strict(b)
+        targets = [os.path.join(run_dir, "rollouts", "labels.jsonl"), os.path.join(data_dir, "rollouts",
+                   "labels.jsonl"), os.path.join(checkout, "machinery", "sandbox.py"), os.path.join(checkout,
+                   "README.md"), os.path.join(checkout, "tests", "test_sandbox.py")]
+        code = (f"import os\nfor p in {targets!r}:\n    try:\n        open(p).read(100)\n        print('read', p)\n"
+                f"    except OSError as e:\n        print(type(e).__name__)\n"
+                f"print(os.listdir({run_dir!r}), os.listdir({os.path.join(data_dir, 'rollouts')!r}), "
+                f"sorted(os.listdir({checkout!r})))")  # (a data file hides its directory)
+        r = b.run(code)
+        lines = r.stdout.splitlines()
+        assert lines[:5] == ["FileNotFoundError"] * 5, r
+        visible = [n for n in eval(lines[5].split("] ", 2)[-1]) if n not in (".venv", "venv")]
+        assert lines[5].startswith("[] [] ") and visible == [], r  # only the interpreter's virtualenv, if it is there
+        assert b.run("import numpy").error in (None, "ModuleNotFoundError: No module named 'numpy'")  # still runs
+    finally:
+        if b is not None:
+            b.close()
+        for d in (run_dir, data_dir):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_ipc_objects_and_a_deep_tree_do_not_outlive_the_run():
+    """SysV shared memory, a queue and a semaphore left behind, and a tree too deep for a recursive walk: the
+    next run on the same worker finds none of them."""
+    b = start(workers=1)
+    try:
+        need_strict(b)
+        r = b.run("import ctypes, os\nlibc = ctypes.CDLL(None)\n"
+                  "print(libc.shmget(0, 1 << 20, 0o1600) >= 0, libc.msgget(0, 0o1600) >= 0, "
+                  "libc.semget(0, 1, 0o1600) >= 0)\nos.chdir('/var/tmp')\nfor _ in range(2000):\n"
+                  "    os.mkdir('d')\n    os.chdir('d')")
+        assert r.ok and r.stdout == "True True True\n", r
+        r = b.run("import os\nprint([len(open('/proc/sysvipc/' + k).readlines()) - 1 for k in ('shm', 'msg', 'sem')],"
+                  " os.listdir('/var/tmp'))")
+        assert r.stdout == "[0, 0, 0] []\n", r
+    finally:
+        b.close()
+
+
+def test_the_oom_killer_picks_the_code(box):
+    r = box.run("print(open('/proc/self/oom_score_adj').read().strip())\ntry:\n"
+                "    open('/proc/self/oom_score_adj', 'w').write('0')\nexcept OSError as e:\n    print(e.strerror)")
+    assert r.stdout.splitlines()[0] == "1000", r
+    if not box.isolation["uid"] or not box.isolation["oom_locked"]:
+        pytest.skip(f"the code may lower its oom_score_adj here: {box.isolation['warnings']}")
+    assert r.stdout.splitlines()[1:] == ["Permission denied"], r  # it cannot make itself less of a target
+
+
+def test_the_wait_for_a_worker_is_bounded_and_not_the_codes_timeout():
+    b = Sandbox(workers=1, timeout_s=1, memory_mb=256, max_procs=MAX_PROCS, wait_s=0.3, isolation="weak").start()
+    try:
+        busy = threading.Thread(target=b.run, args=("import time\ntime.sleep(0.9)", 2))
+        busy.start()
+        time.sleep(0.1)
+        t = time.perf_counter()
+        with pytest.raises(SandboxError, match="no sandbox worker was free within 0.3 s"):
+            b.run("print(1)")  # never a Result with timed_out: the model's code did not run at all
+        assert 0.25 < time.perf_counter() - t < 0.8
+        busy.join()
+        b.wait_s = 5.0  # a wait longer than the code's own timeout (1 s) does not count against it
+        done = []
+        busy = threading.Thread(target=lambda: done.append(b.run("import time\ntime.sleep(0.8)\nprint(1)")))
+        busy.start()
+        time.sleep(0.1)
+        r = b.run("import time\ntime.sleep(0.6)\nprint(2)")
+        busy.join()
+        assert done[0].stdout == "1\n" and r.ok and r.stdout == "2\n" and r.seconds < 1, (done, r)
+        t = time.perf_counter()
+        assert b.run("print(3)").stdout == "3\n" and time.perf_counter() - t < 0.5  # the given-up call took nothing
+    finally:
+        b.close()
+
+
+def test_weak_isolation_is_refused_unless_asked_for(capsys):
+    """Simulated: a uid that cannot be had (beyond 2**32) stands for a machine without root or namespaces."""
+    with pytest.raises(SandboxError) as e:
+        Sandbox(workers=1, uid_base=2 ** 32, memory_mb=256).start()
+    message = str(e.value)
+    assert "\n" not in message and "isolation='weak'" in message and "missing" in message
+    assert "a uid of its own" in message or "root" in message, message
+    b = Sandbox(workers=1, uid_base=2 ** 32, memory_mb=256, isolation="weak").start()
+    try:
+        assert b.run("print(1)").stdout == "1\n" and b.isolation["missing"]
+        assert "[sandbox] warning:" in capsys.readouterr().err
+    finally:
+        b.close()
+    with pytest.raises(ValueError, match="isolation"):
+        Sandbox(isolation="none")
 
 
 def test_result_text():
