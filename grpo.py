@@ -93,8 +93,8 @@ def group_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
 def informative(rewards) -> bool:
     """A group (its samples' rewards) with at least two different rewards. The others have A = 0 for
     every token, so they cost compute and shrink the effective batch; DAPO drops them and refills. A NaN is
-    no value (it is unequal even to itself, so a set would count each NaN apart); rollout.py fails a trajectory
-    with a non-finite reward before it gets here."""
+    no value (it is unequal even to itself, so a set would count each NaN apart); machinery/env.py (_reward) fails a
+    trajectory with a non-finite reward before it gets here."""
     return len({r for r in rewards if not math.isnan(r)}) > 1
 
 

@@ -295,7 +295,7 @@ class Generator:
             if groups is None:
                 return None
             for g in groups:
-                if g is None:  # more than half of its trajectories failed
+                if g is None:  # half or more of its trajectories failed
                     failed_groups += 1
                     continue
                 generated += g
@@ -423,7 +423,8 @@ class Generator:
 def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, limits: env.Limits, env_cls,
              chat_template: bool, seed=0) -> dict:
     """Accuracy and pass@k of the engine's current weights on held-out examples: n trajectories each, played
-    with the env as in RL (a failed one scores 0). With an env also its turns and tool calls per trajectory."""
+    with the env as in RL (a failed one scores 0). With an env also its turns per trajectory, the share of trajectories that called a tool and
+    the env failure rate."""
     eps = [Episode(ex, i) for i, ex in enumerate(examples) for _ in range(n)]
     for _ in run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template):
         pass

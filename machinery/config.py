@@ -72,10 +72,10 @@ class DataConfig:
     # data.reward or with data.env), which load_reward binds it to
     answer_line: bool = False
     reward: str = "data:math_reward"  # module:function called as fn(response_text, example) -> float
-    # module:Class of a multi-turn environment (env.py's contract, e.g. machinery.env:Calculator, machinery.tools:PythonMath); its reward
+    # module:Class of a multi-turn environment (rollout.py's contract, e.g. machinery.env:Calculator, machinery.tools:PythonMath); its reward
     # replaces data.reward. null: one turn graded by data.reward
     env: str | None = None
-    # Keyword arguments of the env class's setup() (env.py's contract; called once per process before the model
+    # Keyword arguments of the env class's setup() (rollout.py's contract; called once per process before the model
     # loads: machinery.tools:PythonMath takes its sandbox's workers, timeout_s, memory_mb, max_procs, max_output_chars)
     env_args: dict = field(default_factory=dict)
     train_size: int | None = None  # use the first this many train examples; null: all
@@ -137,7 +137,7 @@ class RolloutConfig:
     # Token slots of the torch engine's paged KV pool (rows take blocks as they grow; when it is full the
     # newest rows wait, prefilled again later). null: max_batch x (max_prompt_tokens + longest response)
     kv_cache_tokens: int | None = None
-    # The torch engine on a GPU replays each decode step as a CUDA graph (engine.DecodeGraphs: buckets of
+    # The torch engine on a GPU replays each decode step as a CUDA graph (graphs.DecodeGraphs: buckets of
     # rows and keys, captured on first use, checked against eager; an eager fallback). A CPU decodes eagerly.
     cuda_graphs: bool = True
     engine: str = "torch"  # torch: our engine (runs DSA) | sglang: SGLang's (optional extra, dense checkpoints, GPU)

@@ -80,6 +80,8 @@ def load_env(spec, env_args=None):
             cls.setup(**(env_args or {}))
         except TypeError as e:
             raise ValueError(f"data.env_args: {e}") from None
+        except RuntimeError as e:  # the env cannot start here (a sandbox refusing a machine it cannot isolate on)
+            raise ValueError(f"data.env: {spec}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         if callable(getattr(cls, "teardown", None)):
             atexit.register(cls.teardown)
     elif env_args:

@@ -47,7 +47,7 @@ class Run:
 def env_args(cfg):
     """data.env_args, plus the run's own paths for an env whose setup hides paths from model code (PythonMath's
     sandbox takes `hide`): the run_dir (checkpoints, rollout dumps: the labels) and the local data files, wherever
-    they are (the sandbox hides the working directory and the Hub cache by itself)."""
+    they are (PythonMath hides the working directory and the Hub cache by itself)."""
     args = dict(cfg.data.env_args or {})
     setup = getattr(data.load_object(cfg.data.env, "data.env"), "setup", None)
     if callable(setup) and "hide" in inspect.signature(setup).parameters:

@@ -102,8 +102,9 @@ class PythonMath:
     observation; a turn with a \\boxed{} answer after its thinking ends the episode, graded against
     example["label"] by data.math_reward; a turn with neither is void.
 
-    The sandbox is shared by the process, through two hooks train.py calls once per process around the run:
-    setup(**data.env_args) before the model loads (an unknown key is a TypeError), teardown() at the end
+    The sandbox is shared by the process, through two hooks called once per process around the run:
+    setup(**data.env_args) by env.load_env at start-up, before the model loads (an unknown key is a TypeError),
+    teardown() at exit
     (idempotent). Without setup (a test, a script), the first call starts a default sandbox, closed at exit."""
     tools = [TOOL]
     # Appended to the last user message; "" leaves the prompt as it is.

@@ -426,3 +426,28 @@ def test_numpy_and_tensor_scalars_are_accepted(done, reward):
     """A numpy or torch scalar (bool or 0/1) done, and a real-number scalar reward, are taken at their value."""
     eps, _, _, _ = play(Malformed, [{"prompt": "a", "out": ([], reward, done)}], Limits(12, 100, 5))
     assert eps[0].failure is None and eps[0].finish == "stop" and eps[0].reward == 0.5 and type(eps[0].reward) is float
+
+
+def test_an_env_whose_setup_cannot_start_is_one_line():
+    """A setup that raises RuntimeError (PythonMath's sandbox refusing a machine it cannot isolate on) ends start-up
+    with one line naming the env, not a traceback."""
+    class Refuses:
+        @classmethod
+        def setup(cls):
+            raise RuntimeError("the sandbox cannot isolate the model's code here: missing root\n(details)")
+
+        def reset(self):
+            return []
+
+        def step(self, text):
+            return [], 0.0, True
+
+    import types
+    import sys
+    sys.modules["refusing_env"] = types.SimpleNamespace(Refuses=Refuses, __file__="refusing_env.py")
+    try:
+        with pytest.raises(ValueError, match=r"^data.env: refusing_env:Refuses: the sandbox cannot isolate the model's "
+                                             r"code here: missing root$"):
+            env.load_env("refusing_env:Refuses")
+    finally:
+        del sys.modules["refusing_env"]
