@@ -25,7 +25,7 @@ from grpo import GRPOConfig
 from machinery.memory import GiB, memory_plan
 from model import GLMConfig
 
-H100_BYTES = 80 * 10**9  # what --dry-run plans for (an H100 SXM has 80 GB = 79.6 GiB)
+H100_BYTES = 80 * 10**9  # what --dry-run plans for: 80 GB = 74.5 GiB (an H100 SXM reports 79.6 GiB: the rest is margin)
 TRUNCATED = ("keep", "zero", "mask")  # what rollout.truncated may say (rollout.py's docstring)
 LOGIT_CHUNK = 1024  # response tokens per lm_head call: a [1024, 151552] fp32 block is 620 MB
 # A micro-batch whose fp32 logits [response tokens, vocab] take at most this keeps them for backward instead
@@ -135,7 +135,8 @@ class RolloutConfig:
     update_mode: str = "keep_kv"
     max_batch: int = 64  # rows the torch engine decodes at once (continuous batching: a finished row is refilled)
     # Token slots of the torch engine's paged KV pool (rows take blocks as they grow; when it is full the
-    # newest rows wait, prefilled again later). null: max_batch x (max_prompt_tokens + longest response)
+    # newest rows wait, prefilled again later). null: max_batch rows of the call's longest context (its longest prompt
+    # plus the response budget; the memory plan counts max_prompt_tokens + the longest response)
     kv_cache_tokens: int | None = None
     # The torch engine on a GPU replays each decode step as a CUDA graph (graphs.DecodeGraphs: buckets of
     # rows and keys, captured on first use, checked against eager; an eager fallback). A CPU decodes eagerly.

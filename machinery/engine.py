@@ -26,9 +26,10 @@ blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the
              keeps them, Scheduler.land parks them under its key), until its next turn or end(key)
   extended   that next turn, if its context extends the parked tokens, takes the blocks over and runs only
              its new tokens (_extend), then decodes as any row
-  evicted    when the pool runs short (admit, grow), parked KV goes first, oldest first (that trajectory's
-             next turn prefills its whole context); then the newest running rows are retracted: blocks
-             freed, back to the front of the queue with their tokens, to continue when prefilled again
+  evicted    when the pool runs short, parked KV goes first, oldest first (that trajectory's next turn
+             prefills its whole context); admit then makes the request wait, while grow retracts the
+             newest running rows: blocks freed, back to the front of the queue with their tokens, to
+             continue when prefilled again
 
 The engine knows nothing of rewards, groups or staleness: it samples, and records which weight versions
 produced each completion's tokens (rollout.py judges staleness from that).
