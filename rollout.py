@@ -143,6 +143,9 @@ class Sample:
     # learner scores only these, so env tokens never reach lm_head or the loss; gen_logprobs are theirs.
     spans: list | None = None
     turns: int = 1
+    # MoE: the experts the generator's forward chose for every position (prompt, model and env tokens), uint8/int16
+    # [positions, n_moe, k] (engine.Completion.routes); the learner replays them (model.routing_replay). None: dense
+    routes: object = None
 
     def row(self):
         """(prompt + response ids, the (start, length) spans the learner scores: the model's tokens)."""
@@ -386,7 +389,8 @@ class Generator:
         reward = 0.0 if cut and self.truncated == "zero" else ep.reward
         spans = None if ep.spans == [(0, len(ep.response))] else list(ep.spans)  # None: every token the model's
         return Sample(ep.prompt, ep.response, ep.logprobs, reward, group, tuple(ep.versions), ep.finish, ep.example,
-                      masked=(cut and self.truncated == "mask") or ep.finish == "void", spans=spans, turns=ep.turns)
+                      masked=(cut and self.truncated == "mask") or ep.finish == "void", spans=spans, turns=ep.turns,
+                      routes=ep.routes)
 
     def _report(self, failures, total):
         """Env failures are data: a warning line each (at most a few per batch), the first traceback of each

@@ -64,14 +64,14 @@ def _chunk_logprobs(lm_head, h, targets, temperature, entropy):
     return logp, ent if entropy == "grad" else ent.detach()  # the metric alone needs no backward
 
 
-def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=True, entropy=None):
+def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=True, entropy=None, routing=None):
     """One forward over several sequences packed into a single row, without padding.
     rows: [(token ids, spans)], spans the (start, length) runs of tokens to score: a response after its prompt,
     or a multi-turn trajectory's model turns. Position ids restart at 0 for every sequence, which is how model.py
     knows where one ends: no token attends across sequences, and attention costs sum_i L_i^2 (model.Packed).
     entropy: None (not needed), "metric" (no gradient) or "grad" (the loss has an entropy term). Returns
     (logprobs [N] of every scored token, the sequences one after the other; entropies [N] or None; indexer
-    KL or None)."""
+    KL or None). routing (MoE): a model.Routing over the row, the generator's experts to replay (MicroBatch.routing)."""
     net = unwrap(model)  # model may be DDP/FSDP-wrapped: call it, but reach its lm_head directly
     device = net.embed_tokens.weight.device
     lengths = [len(seq) for seq, _ in rows]
@@ -84,7 +84,7 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     predicting = [(o + a - 1, n) for o, (_, spans) in zip(offsets, rows) for a, n in spans]
     where = (data.spans(*zip(*predicting), device) if logprobs and predicting
              else torch.zeros(0, dtype=torch.long, device=device))  # [N]; none for the indexer alone
-    out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True, keep=where)
+    out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True, keep=where, routing=routing)
     hidden, kl = out if indexer_loss is not None else (out, None)  # [1, N, hidden]
     if not logprobs:
         return None, None, kl
@@ -100,6 +100,22 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
         logp.append(lp)
         ent.append(en)
     return torch.cat(logp), torch.cat(ent) if entropy else None, kl
+
+
+def routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, first):
+    """MoE diagnostics, summed like the step's other metrics: routing/agree (tokens x MoE layers whose learner
+    top-k set equals the generator's, from the training forward itself) and, on each rank's first micro-batch, the
+    learner-generator gap |log pi_learner - log pi_gen| with replay and without, the second from one more forward
+    (no grad) that routes the other way: the price of the computation routing replay avoids."""
+    agree, seen = (torch.stack(t).sum(0) for t in zip(*routing.agree))
+    out = {"routing_agree": sums.get("routing_agree", 0.0) + agree, "routing_seen": sums.get("routing_seen", 0.0) + seen}
+    if first:
+        with torch.no_grad():
+            other = packed_forward(model, mb.rows, temperature, routing=mb.routing(not routing.apply))[0]
+        gaps = {routing.apply: gap, not routing.apply: (other - gen_logp[mb.tokens]).abs()}
+        out |= {"routing_gap_replay": gaps[True].sum(), "routing_gap_fresh": gaps[False].sum(),
+                "routing_gap_tokens": torch.tensor(float(len(gap)), device=gap.device)}
+    return out
 
 
 def lr_at(cfg: Config, base_lr, step):
@@ -223,7 +239,8 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     # [B, T] for the loss (B samples, mb.mask [B, T] True at real tokens). None: a dummy micro-batch that keeps
     # this rank in step with a busier one (the same collectives on every rank), contributing nothing.
     gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N] log pi_gen
-    parts = packed_micro_batches(model, [s.row() for s in samples], cfg.optim.max_tokens_per_micro_batch, device)
+    parts = packed_micro_batches(model, [s.row() for s in samples], cfg.optim.max_tokens_per_micro_batch, device,
+                                 [s.routes for s in samples])
     ref_logp = None
     if ref_model is not None:  # [N] log pi_ref, no grad, before the update
         ref_logp = torch.zeros_like(gen_logp)
@@ -240,11 +257,13 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     optimizer.zero_grad(set_to_none=True)
     sums, n_tokens, gap_sum, gap_max = {}, 0, torch.zeros((), device=device), torch.zeros((), device=device)
     entropy = "grad" if g.entropy_coef else "metric"
+    replay = cfg.model.routing_replay == "rollout"  # MoE: the learner takes the experts the generator took
     for k, mb in parts:
         last = k == len(parts) - 1
+        routing = mb.routing(replay) if mb else None  # None for a dense model
         with autocast(device):
             logp, ent, _ = packed_forward(model, mb.rows if mb else dummy_rows(model), cfg.rollout.temperature,
-                                          entropy=entropy)  # [N_mb] log pi_theta (= pi_prox in value)
+                                          entropy=entropy, routing=routing)  # [N_mb] log pi_theta (= pi_prox in value)
             if mb is None:
                 learner_backward(model, logp.sum() * 0.0, last)
                 continue
@@ -254,6 +273,8 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
         learner_backward(model, loss, last)
         gap = (logp.detach() - gen_logp[mb.tokens]).abs()  # learner vs generator, per token
         gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
+        if routing is not None:  # how often the learner's own top-k matches the generator's, and the gap both ways
+            sums |= routing_metrics(model, mb, routing, gap, gen_logp, cfg.rollout.temperature, sums, first=k == 0)
         n = len(mb.tokens)  # pg_loss adds up over micro-batches; the other metrics are token means
         for name, v in m.items():
             sums[name] = sums.get(name, 0.0) + (v if name == "pg_loss" else v * n)
@@ -264,9 +285,14 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     gap_max, sums = values.pop(), dict(zip(sums, values))
     ranks = all_gather((sums, n_tokens, gap_max))  # global: every rank decides alike
     n_tokens = sum(n for _, n, _ in ranks)
-    for name in dict.fromkeys(k for p, _, _ in ranks for k in p):
-        v = sum(p.get(name, 0.0) for p, _, _ in ranks)
-        metrics[f"train/{name}"] = v if name in ("pg_loss", "loss") else v / max(1, n_tokens)
+    total = {name: sum(p.get(name, 0.0) for p, _, _ in ranks) for name in dict.fromkeys(k for p, _, _ in ranks for k in p)}
+    for name, v in total.items():
+        if not name.startswith("routing_"):
+            metrics[f"train/{name}"] = v if name in ("pg_loss", "loss") else v / max(1, n_tokens)
+    if "routing_seen" in total:  # MoE (routing_metrics): ratios of their own sums
+        metrics |= {"routing/agree": total["routing_agree"] / max(1, total["routing_seen"]),
+                    **{f"routing/logp_diff_mean_{w}": total[f"routing_gap_{w}"] / max(1, total["routing_gap_tokens"])
+                       for w in ("replay", "fresh")}}
     metrics["train/logp_diff_max"] = max(d for _, _, d in ranks)
     metrics["train/tokens"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 

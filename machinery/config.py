@@ -47,6 +47,14 @@ class ModelConfig:
     # whole model, then RL trains adapters on every decoder linear of that frozen base (bf16 on a GPU), publishes
     # the adapters alone, and checkpoints adapters + their optimizer state. null: RL trains the whole model
     lora: dict | None = None
+    # MoE models (GLM-4.7-Flash, GLM-5): the learner's forward uses the experts the generator chose for each token
+    # (rollout), or routes afresh (none). A tiny numeric difference between the two copies flips a token's top-k
+    # experts, and the importance ratios of the tokens after it blow up; replaying the rollout's routes (slime's
+    # rollout routing replay, verl's R3) keeps the learner on the generator's computation, while the router's
+    # weight still learns through the weights it gives the replayed experts. routing/* in metrics.jsonl shows the
+    # agreement and the learner-generator gap with and without. The router's score-correction bias (a buffer the
+    # pre-training balancer nudged, never a gradient's) stays as loaded. Dense models ignore this key
+    routing_replay: str = "rollout"
 
 
 @dataclass
@@ -406,6 +414,7 @@ RULES = [  # (keys, test, what each must be)
      "[beta1, beta2], each in [0, 1)"),
     (("rollout.engine",), lambda x: x in ("torch", "sglang"), "torch or sglang"),
     (("rollout.quantization",), lambda x: x in (None, "fp8"), "fp8 or null"),
+    (("model.routing_replay",), lambda x: x in ("rollout", "none"), "rollout or none"),
     (("train.parallel",), lambda x: x in ("fsdp", "ddp"), "fsdp or ddp"),
     (("grpo.agg",), lambda x: x in grpo.AGG_MODES, f"one of {grpo.AGG_MODES}"),
     (("grpo.kl_estimator",), lambda x: x in grpo.KL_ESTIMATORS, f"one of {grpo.KL_ESTIMATORS}"),
@@ -539,7 +548,20 @@ PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "inte
                                 "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
                                 "rms_norm_eps": 1e-5, "attention_bias": True, "tie_word_embeddings": False,
                                 "max_position_embeddings": 32768, "pad_token_id": 151329,
-                                "eos_token_id": [151329, 151336, 151338]}}
+                                "eos_token_id": [151329, 151336, 151338]},
+             # GLM-4.7-Flash (transformers' glm4_moe_lite): MLA, 64 routed experts + 1 shared, 4 active, the first
+             # layer dense; its files also hold one multi-token-prediction layer (layer 47), which we do not use
+             "GLM-4.7-Flash": {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+                               "vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
+                               "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
+                               "num_key_value_heads": 20, "q_lora_rank": 768, "kv_lora_rank": 512,
+                               "qk_nope_head_dim": 192, "qk_rope_head_dim": 64, "v_head_dim": 256,
+                               "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4,
+                               "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.8,
+                               "first_k_dense_replace": 1, "rope_theta": 1000000, "partial_rotary_factor": 1.0,
+                               "rms_norm_eps": 1e-5, "attention_bias": False, "tie_word_embeddings": False,
+                               "max_position_embeddings": 202752, "pad_token_id": 154820, "bos_token_id": 0,
+                               "eos_token_id": [154820, 154827, 154829]}}
 
 
 def architecture(cfg: Config) -> GLMConfig:

@@ -49,7 +49,7 @@ import dsa
 from kernels import dsa_triton
 from machinery import fp8, lora
 from machinery.graphs import DecodeGraphs, decode_forward, key_slots
-from machinery.scheduler import Completion, Request, SamplingParams, Scheduler
+from machinery.scheduler import Completion, Request, SamplingParams, Scheduler, extend_routes
 from machinery.scheduler import ADMIT_FRACTION, PREFILL_TOKENS  # noqa: F401 (importable from here: memory.py's)
 from machinery.sglang import SGLANG_MISSING, SGLangEngine  # noqa: F401 (make_engine's other engine)
 from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, to_device
@@ -373,7 +373,7 @@ class TorchEngine:
             self._step()
         finished, self.sched.finished = self.sched.finished, []
         for r in finished:
-            yield r.index, Completion(r.tokens, r.logprobs, r.finish, tuple(r.versions))
+            yield r.index, Completion(r.tokens, r.logprobs, r.finish, tuple(r.versions), r.routes)
 
     def _step(self):
         """Grow, admit and prefill, decode one token for every row, read the device once; then the rows
@@ -539,10 +539,24 @@ class TorchEngine:
         admission start copying to the host without waiting, to join their requests at the next _land."""
         idx = to_device(rows, self.device, torch.long)
         bufs = self.rows.buf[idx]
-        snap = (self.out_tok[bufs].to("cpu", non_blocking=True), self.out_lp[bufs].to("cpu", non_blocking=True))
+        snap = (self.out_tok[bufs].to("cpu", non_blocking=True), self.out_lp[bufs].to("cpu", non_blocking=True),
+                self._routes(rows))
         batch, keep = self.sched.release(rows, finish, host[1], self.step_version)
         self.landing.append((batch, snap, finish))
         self.rows = self.rows.keep(to_device(keep, self.device, torch.long))
+
+    def _routes(self, rows: list[int]):
+        """MoE: the routes of the rows' positions so far (their KV's: every token fed, not the last sampled one), read
+        out of the pool (model.PagedKVCache.routes: each layer's experts per slot, written beside the KV) before their
+        blocks go back, copied to the host without waiting -> [[positions, n_moe, k] per row], or None (dense)."""
+        if not self.pool.routes:
+            return None
+        n = [int(self.sched.pos[b]) for b in rows]
+        slots = [blk * BLOCK_SIZE + p % BLOCK_SIZE for b, m in zip(rows, n)
+                 for p, blk in ((p, self.sched.running[b].blocks[p // BLOCK_SIZE]) for p in range(m))]
+        idx = to_device(slots, self.device, torch.long)
+        out = torch.stack([r.index_select(0, idx) for r in self.pool.routes], 1).to("cpu", non_blocking=True)
+        return out.split(n)
 
     def _land(self, wait=False):
         """Released rows' tokens have arrived (after a host sync, or wait=True): they join their requests, and
@@ -550,10 +564,12 @@ class TorchEngine:
         if wait and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         landed = []
-        for batch, (tok, lp), finish in self.landing:
+        for batch, (tok, lp, routes), finish in self.landing:
             for j, (r, n) in enumerate(batch):
                 r.tokens += tok[j, :n].tolist()
                 r.logprobs += lp[j, :n].tolist()
+                if routes is not None:
+                    r.routes = extend_routes(r.routes, routes[j])
                 landed.append((r, finish))
         self.sched.land(landed)
         self.landing = []

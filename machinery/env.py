@@ -48,7 +48,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from data import chat_ids, load_object, math_reward, render_prompt
-from machinery.engine import SamplingParams, request_seeds
+from machinery.engine import Completion, SamplingParams, request_seeds
+from machinery.scheduler import extend_routes
 
 # The chat format's tokens that end a model turn besides eos (GLM-4's generation_config lists both among
 # its eos ids): the model hands control to a tool, or to the user.
@@ -150,6 +151,7 @@ class Episode:
     response: list[int] = field(default_factory=list)  # every token after the prompt, model and env, in order
     spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) of each model turn in response
     logprobs: list[float] = field(default_factory=list)  # the generator's logprob of each model token, in order
+    routes: object = None  # MoE: the experts each position took in the generator, [positions, n_moe, k] (engine.Completion)
     reward: float = 0.0
     finish: str | None = None  # "stop" (env done), "length" (a limit), "void", "failed", "cancelled"
     failure: str | None = None  # why the env failed: the trajectory is dropped
@@ -341,11 +343,14 @@ def openings(env_cls, examples, tokenizer, chat_template=True, timeout=60.0):
     return [ep.prompt for ep in eps]
 
 
-def model_turn(ep: Episode, tokens, logprobs, versions):
-    """Append one model turn: its tokens as sampled, with their logprobs."""
+def model_turn(ep: Episode, c: Completion):
+    """Append one model turn (an engine Completion): its tokens as sampled, with their logprobs (and, MoE, the
+    routes of its context: extend_routes keeps the ones earlier turns recorded)."""
+    tokens, versions = c.token_ids, c.versions
     ep.spans.append((len(ep.response), len(tokens)))
     ep.response += tokens
-    ep.logprobs += logprobs
+    ep.logprobs += c.logprobs
+    ep.routes = extend_routes(ep.routes, c.routes)
     ep.turns += 1
     lo, hi = versions
     ep.versions = [lo, hi] if ep.versions is None else [min(ep.versions[0], lo), max(ep.versions[1], hi)]
@@ -520,7 +525,7 @@ def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopp
                             submit(i, redo + 1)
                         continue
                     ep = episodes[i]
-                    model_turn(ep, c.token_ids, c.logprobs, c.versions)
+                    model_turn(ep, c)
                     text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
                     task = POOL.submit(ep.env.step, (text,))
                     pending.append((it + (admit_after or 0), i, task, c.finish_reason == "length"))
@@ -568,7 +573,7 @@ def _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, s
                 if stopping():  # the batch is being thrown away: no more env calls for it
                     break
                 for j, c in part:
-                    model_turn(episodes[live[j]], c.token_ids, c.logprobs, c.versions)
+                    model_turn(episodes[live[j]], c)
                 env_turns([(episodes[live[j]], tokenizer.decode(c.token_ids, skip_special_tokens=True),
                             c.finish_reason == "length") for j, c in part], tokenizer, limits, name)
                 for j, _ in part:
@@ -627,7 +632,7 @@ def traces(env_cls, examples, turns, tokenizer, limits: Limits, stop_id, eos_id,
             for ep in live:
                 text, last = turns[ep.index][k], k == len(turns[ep.index]) - 1
                 ids = list(tokenizer.encode(text, add_special_tokens=False))
-                model_turn(ep, ids + [eos_id if last else stop_id], [0.0] * (len(ids) + 1), (0, 0))
+                model_turn(ep, Completion(ids + [eos_id if last else stop_id], [0.0] * (len(ids) + 1), "stop", (0, 0)))
             env_turns([(ep, turns[ep.index][k], False) for ep in live], tokenizer, limits, name)
             live, k = [ep for ep in live if ep.finish is None], k + 1
     finally:

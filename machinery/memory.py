@@ -13,10 +13,9 @@ import torch
 import dsa
 from kernels import dsa_triton
 from machinery import lora
-from dsa import FP32_PARAMS
 from machinery.engine import PREFILL_TOKENS
 from machinery.fp8 import weight_bytes as fp8_weight_bytes
-from model import BLOCK_SIZE, GLM, GROUP_RATIO, GLMConfig
+from model import BLOCK_SIZE, FP32_PARAMS, GLM, GROUP_RATIO, GLMConfig, route_dtype
 
 # Transients that never coexist (one chunk's logits, one recomputed block, a reduce-scatter buffer) enter
 # as the largest of them. Sizes in bytes, tables in GiB (2^30): an "80 GB" H100 shows 79.6 GiB in
@@ -199,26 +198,43 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
 
     P = count(lambda n: True)
     Pt = P - (0 if trainable_indexer else count(lambda n: ".indexer." in n))  # RL keeps the indexer frozen
-    P32 = count(lambda n: n.endswith(FP32_PARAMS))  # small indexer tensors every copy keeps in fp32
+    P32 = count(lambda n: n.endswith(FP32_PARAMS))  # small indexer (and MoE router) tensors every copy keeps in fp32
     root = count(lambda n: not n.startswith("layers."))  # embed_tokens, norm, lm_head
-    # bf16 bytes of one decoder layer as FSDP gathers it (an F layer if DSA: its indexer is gathered in fp32)
+    # bf16 bytes of one decoder layer as FSDP gathers it (an F layer if DSA: its indexer is gathered in fp32, as is an
+    # MoE layer's router)
     layer = max(2 * count(lambda n: n.startswith(f"layers.{i}.")) + 2 * count(lambda n: n.startswith(f"layers.{i}.self_attn.indexer."))
-                for i in range(cfg.num_layers))
+                + 2 * count(lambda n: n.startswith(f"layers.{i}.mlp.gate.")) for i in range(cfg.num_layers))
     L, N, T, h, I = cfg.num_layers, learner_gpus, micro_batch_tokens, cfg.hidden_size, cfg.intermediate_size
     HD, KD, V, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size, cfg.num_heads
     n_F = cfg.dsa.layer_kinds(L).count("F") if cfg.dsa else 0
+    if cfg.mla is not None:  # MLA: queries and keys of nope + rope dims, values of v_head_dim; keys and values are
+        m = cfg.mla         # expanded from the latent for the learner's (and a prefill's) attention
+        HD, KD = H * (m.qk_nope_head_dim + m.qk_rope_head_dim), H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        VD = OD = H * m.v_head_dim  # values, and the attention's output
+        latent = 2 * (m.q_lora_rank or 0) * 2 + 2 * (m.kv_lora_rank + m.qk_rope_head_dim) * 2  # q_a, kv_a, their norms
+    else:
+        VD, OD, latent = KD, HD, 0
+    # The MLP of the widest layer per token: a dense MLP (intermediate_size), or an MoE layer's k routed experts'
+    # dispatched copies (x, gate_up, silu, act, output, weighted) + the shared experts + the router's fp32 scores
+    mlp_width = I
+    moe_token = 0
+    if cfg.moe is not None:
+        e = cfg.moe
+        Im, k, Is = e.moe_intermediate_size, e.num_experts_per_tok, e.moe_intermediate_size * e.n_shared_experts
+        moe_token = 2 * k * (3 * h + 4 * Im) + 2 * 4 * Is + 3 * 4 * e.n_routed_experts + 8 * k * 2
+        mlp_width = max(I if "dense" in e.mlp_layer_types else 0, (k * 4 * Im + 4 * Is) // 4)
 
     # Learner activations of one packed row of T tokens. The residual stream is bf16 (a = 2 bytes) under
     # FSDP (bf16 weights) and DDP alike (model.GLM.forward casts it to autocast's dtype).
     a = 2
     pad = 1 / GROUP_RATIO  # attention regroups the row's sequences, right-padded: at most this many slots a token
     block = T * (4 * (4 + 2 * a) * h  # 4 RMSNorms: fp32 copy of the input, normalised, output [T, h]
-                 + 2 * 2 * (HD + KD) + 2 * KD  # q [T, H*D], k [T, Hkv*D] before and after RoPE; v [T, Hkv*D]
-                 + int(pad * (2 * (HD + 2 * KD) + 2 * HD + 4 * H))  # per group: q, k, v, output bf16, LSE fp32
-                 + 2 * HD  # the attention output back in row order [T, H*D] (no mask anywhere: flash kernel)
-                 + 2 * (2 * I + I + I)  # gate_up [T, 2I], silu(gate) [T, I], act = silu(gate) * up [T, I]
-                 + a * h)  # residual after attention [T, h]
-    block_grads = T * 2 * 4 * I  # backward's gradients of the MLP tensors [T, 4I] bf16
+                 + 2 * 2 * (HD + KD) + 2 * VD + latent  # q [T, H*D], k [T, Hkv*D] before and after RoPE; v; MLA's latents
+                 + int(pad * (2 * (HD + KD + VD) + 2 * OD + 4 * H))  # per group: q, k, v, output bf16, LSE fp32
+                 + 2 * OD  # the attention output back in row order [T, H*D] (no mask anywhere: flash kernel)
+                 + max(2 * (2 * I + I + I) if cfg.moe is None or "dense" in cfg.moe.mlp_layer_types else 0, moe_token)
+                 + a * h)  # gate_up [T, 2I], silu(gate) [T, I], act = silu(gate) * up [T, I] (or MoE's); residual [T, h]
+    block_grads = T * 2 * 4 * mlp_width  # backward's gradients of the MLP tensors [T, 4I] bf16
     sparse = cfg.dsa is not None and cfg.dsa.topk < T
     if sparse:  # DSA inside the block: select_topk without grad, sparse_attention's chunks with
         block_grads += _dsa_block(cfg, 1, T, T, grad=True, kernels=dsa_kernels)
@@ -262,6 +278,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     learner += [("small micro-batch's log-softmax kept for backward (2 x logit_keep)", 2 * logit_keep)]
     learner += [saved] + ([("DSA top-k idx int64 + valid [T, topk] per F layer", n_F * T * cfg.dsa.topk * 9)]
                           if sparse else [])
+    if n_moe:  # the micro-batch's replayed routes (the generator's) and each MoE layer's own choice and agreement
+        learner += [("MoE routes [n_moe, T, k]: replayed, chosen (int64), agreement", n_moe * T * cfg.moe.num_experts_per_tok * 18)]
     name, peak = max(transients, key=lambda t: t[1])
     learner += [(f"largest transient: {name}", peak), ("CUDA context, NCCL, fragmentation", OVERHEAD)]
 
@@ -275,7 +293,11 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     weights = fp8_weight_bytes(cfg) if fp8 else 2 * P + 2 * P32  # fp8: the bf16 model is loaded, then quantized
     blocks = -(-kv_cache_tokens // BLOCK_SIZE) if kv_cache_tokens else B * -(-S // BLOCK_SIZE)  # as TorchEngine._open
     T = (blocks + 1) * BLOCK_SIZE  # and the scratch block
-    kv_token = 2 * (2 * L * KD + n_F * (cfg.dsa.head_dim if cfg.dsa else 0))
+    # bf16 KV per token slot: keys and values per layer (MLA: its latent, kv_lora_rank + qk_rope_head_dim values), the
+    # indexer's keys on F layers; MoE: the experts each layer chose for the slot's token (routing replay), 1-2 bytes each
+    n_moe = len(cfg.moe_layers)
+    route_bytes = n_moe * cfg.moe.num_experts_per_tok * torch.tensor([], dtype=route_dtype(cfg)).element_size() if n_moe else 0
+    kv_token = 2 * (L * cfg.kv_width + n_F * (cfg.dsa.head_dim if cfg.dsa else 0)) + route_bytes
     if engine == "sglang":
         generator = [(f"{'fp8' if fp8 else 'bf16'} weights, inside SGLang's share of the GPU", weights)]
     else:
@@ -284,9 +306,10 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         # its keys from the row: every further copy's (pool slot, row token) int64 pairs, one copy's keys
         # gathered at a time.
         M = max(prefill_tokens, S)
-        prefill = M * (2 * h + max(2 * (h + 4 * I),  # residual [M, h] + normed input, gate_up [M, 2I], silu, act
-                                   2 * (h + 2 * (HD + 2 * KD) + HD)  # or q, k, v before and after RoPE, out
-                                   + int(pad * (2 * (HD + 2 * KD) + 2 * HD + 4 * H)),  # + the groups' q, k, v, out, LSE
+        prefill = M * (2 * h + max(2 * (h + 4 * I) if cfg.moe is None or "dense" in cfg.moe.mlp_layer_types else 0,
+                                   moe_token,  # residual [M, h] + normed input, gate_up [M, 2I], silu, act (or MoE's)
+                                   2 * (h + 2 * (HD + KD) + 2 * VD + OD) + latent  # or q, k, v before and after RoPE, out
+                                   + int(pad * (2 * (HD + KD + VD) + 2 * OD + 4 * H)),  # + the groups' q, k, v, out, LSE
                                    3 * 4 * h)  # or RMSNorm's fp32 temps
                        + 16 * (group_size - 1) + 2 * KD)  # the copies' (slot, source) pairs; one copy's keys
         # A decode step: the forward's bf16 logits [B, V] (with DSA the rows' indexer keys gathered [B, S, d_I] and
@@ -304,11 +327,17 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         generator = [(("fp8 weights (decoder linears e4m3 + block scales, the rest bf16)" if fp8 else
                        "bf16 weights (indexer weights_proj, k_norm fp32)") + (": the learner's base, counted there"
                                                                                if shares else ""), 0 if shares else weights),
-                     (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)", T * kv_token),
+                     (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)" +
+                      (" (MLA: the latent)" if cfg.mla else "") + (f" + each slot's routes ({route_bytes} B)" if n_moe else ""),
+                      T * kv_token),
                      (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
         if lora_cfg is not None:
             generator.append((f"LoRA adapters fp32, rank {lora_cfg.rank}", 4 * adapters))
-        forward = 2 * B * V + 2 * B * (h + 2 * I) + dsa_decode
+        # the step's MLP (or MoE: k experts per row), and MLA's absorbed attention over each row's latent keys
+        # gathered [B, S, kv_lora_rank + rope] with fp32 scores [B, H, S]
+        forward = 2 * B * V + max(2 * B * (h + 2 * I), B * moe_token) + dsa_decode
+        if cfg.mla is not None:
+            forward += B * S * (2 * cfg.kv_width + 4 * H * 2)
         if cuda_graphs:  # the graphs' pool holds the largest bucket's forward for good (captured first, the others
             # reuse its memory); static buffers beside it. A capture's eager warm-up still runs beside the pool.
             generator += [(f"CUDA graphs' pool: a decode forward of {B} rows", forward),

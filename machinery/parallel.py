@@ -32,7 +32,7 @@ from machinery import fp8
 from machinery import lora
 from machinery.config import ConfigError
 from dsa import FP32_PARAMS
-from model import GLM
+from model import GLM, Routing, no_route
 
 
 def rank():
@@ -231,16 +231,31 @@ class MicroBatch:
     samples: list[int]  # their indices in the batch
     tokens: torch.Tensor  # [N_mb]: the positions of its samples' scored tokens in the flat tensors
     mask: torch.Tensor  # [B, T] bool: B samples, T the most scored tokens of one; True at real tokens
+    routes: list | None = None  # MoE: each sample's generator routes [positions, n_moe, k] (rollout.Sample.routes)
 
     def pad(self, flat):
         """[N_mb] (its tokens, sample after sample) -> [B, T], zeros after each sample's tokens."""
         return flat.new_zeros(self.mask.shape).masked_scatter(self.mask, flat)
 
+    def routing(self, apply: bool) -> Routing | None:
+        """The model.Routing of this packed row (None: a dense model): the generator's experts of every token, the
+        samples end to end [n_moe, 1, L, k], model.no_route where none was recorded (a sequence's last token, never
+        fed; a position the generator's last block skipped). apply: replay them (False: route afresh, and only count
+        agreement with them)."""
+        if self.routes is None or any(r is None for r in self.routes):
+            return None
+        device, ref = self.mask.device, self.routes[0]
+        parts = []
+        for (ids, _), r in zip(self.rows, self.routes):  # pad each sample's routes to its length
+            parts += [r, torch.full((len(ids) - len(r), *r.shape[1:]), no_route(r.dtype), dtype=r.dtype)]
+        replay = torch.cat(parts).to(device, non_blocking=True).permute(1, 0, 2)[:, None]  # [n_moe, 1, L, k]
+        return Routing(replay=replay, apply=apply)
 
-def packed_micro_batches(model, rows, budget, device):
-    """[(k, MicroBatch or None)]: this rank's samples (rows: (ids, spans of scored tokens)) packed first-fit
-    decreasing into micro-batches of at most budget tokens (a longer sample alone), padded with None to the
-    busiest rank's count (micro_batches)."""
+
+def packed_micro_batches(model, rows, budget, device, routes=None):
+    """[(k, MicroBatch or None)]: this rank's samples (rows: (ids, spans of scored tokens); routes: their generator
+    routes, MoE) packed first-fit decreasing into micro-batches of at most budget tokens (a longer sample alone),
+    padded with None to the busiest rank's count (micro_batches)."""
     sizes = [sum(n for _, n in spans) for _, spans in rows]  # scored tokens per sample
     first = list(itertools.accumulate([0] + sizes))  # where each sample's tokens start in the flat tensors
     parts = []
@@ -248,7 +263,8 @@ def packed_micro_batches(model, rows, budget, device):
         if mb is not None:
             n = torch.tensor([sizes[i] for i in mb])
             mb = MicroBatch([rows[i] for i in mb], mb, data.spans([first[i] for i in mb], n.tolist(), device),
-                            (torch.arange(int(n.max())) < n[:, None]).to(device))
+                            (torch.arange(int(n.max())) < n[:, None]).to(device),
+                            None if routes is None else [routes[i] for i in mb])
         parts.append((k, mb))
     return parts
 

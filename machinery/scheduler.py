@@ -26,6 +26,7 @@ import collections
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from model import BLOCK_SIZE
 
@@ -55,6 +56,9 @@ class Completion:
     logprobs: list[float]  # log softmax(logits / temperature) of each sampled token
     finish_reason: str  # "stop" | "length" | "abort"
     versions: tuple[int, int]  # (oldest, newest) weight version that produced its tokens
+    # MoE models: the experts each context position took, prompt and sampled tokens alike, uint8/int16 [positions,
+    # n_moe layers, k] on the host (model.no_route where a layer did not route it); None for a dense model
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,6 +77,17 @@ class Request:
     key: object = None  # a session's trajectory: a turn extends the KV its key parked
     park: bool = False  # ... and parks its own when it ends (not freed), for the trajectory's next turn
     cached: int = 0  # leading positions of its context whose KV its blocks already hold (a parked prefix)
+    routes: torch.Tensor | None = None  # MoE: [positions, n_moe, k] routes landed so far (extend_routes)
+
+
+def extend_routes(old, new):
+    """Routes recorded so far, extended by a later record of the same context ([positions, n_moe, k] each): the
+    positions `old` already holds keep their routes. A token's routes are those of the forward that first ran it
+    (the weights that sampled it), even when its context runs again later under newer weights (a retracted row's
+    prefill, a trajectory's evicted KV): the learner replays what the generator computed with."""
+    if old is None or new is None:
+        return new if old is None else old
+    return torch.cat((old, new[len(old):])) if len(new) > len(old) else old
 
 
 class Scheduler:
