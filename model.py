@@ -1064,6 +1064,7 @@ class Routing:
     # [n_moe, B, T, k] expert ids to use, rows as the forward's input rows (packed rows too); a token whose
     # ids hold NO_ROUTE is routed freshly (a token the generator never routed there)
     replay: torch.Tensor | None = None
+    apply: bool = True  # use the replayed ids (False: route freshly, only count agreement with them)
     record: bool = False  # fill `chosen`
     # per MoE layer [B, T, k]: this forward's choice (the replayed ids where replayed); NO_ROUTE where the layer
     # did not run (the last block's positions outside `keep`). Assigned by layer index, so the recompute of
@@ -1291,9 +1292,10 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = SwiGLU(cfg.hidden_size, cfg.moe.moe_intermediate_size * cfg.moe.n_shared_experts)
 
-    def forward(self, x, replay=None):
-        """x [B, T, hidden]; replay [B, T, k] ids to use (NO_ROUTE: the router's own) or None.
-        Returns (out [B, T, hidden], ids [B, T, k] int64 used, agree [2] int64 or None)."""
+    def forward(self, x, replay=None, apply=True):
+        """x [B, T, hidden]; replay [B, T, k] ids to use (NO_ROUTE: the router's own) or None; apply=False: only
+        compare them with the router's own. Returns (out [B, T, hidden], ids [B, T, k] int64 used, agree [2] int64
+        or None)."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
         ids, scores = self.gate(flat)  # [N, k], [N, E]
@@ -1303,10 +1305,10 @@ class MoE(nn.Module):
             replayed = (r != no_route(r.dtype)).all(-1)  # [N]
             same = (ids.sort(-1).values == r.long().sort(-1).values).all(-1)
             agree = torch.stack([(same & replayed).sum(), replayed.sum()])
-            ids = torch.where(replayed[:, None], r.long(), ids)
+            ids = torch.where(replayed[:, None], r.long(), ids) if apply else ids
         out = moe_kernels.experts_forward(flat, ids, self.gate.weigh(scores, ids), self.experts.gate_up_proj,
                                           self.experts.down_proj)
-        return (out + self.shared_experts(flat)).view(B, T, H), ids.view(B, T, -1), agree
+        return (out + self.shared_experts(flat)).view(B, T, H), ids.view(B, T, ids.shape[-1]), agree
 
     def routed(self, x, routing: Routing | None, keep, T):
         """forward() with the forward's Routing: x [B, T | K, hidden] (K rows: the last block's kept
@@ -1315,7 +1317,7 @@ class MoE(nn.Module):
         if routing is not None and routing.replay is not None:
             replay = routing.replay[self.index]
             replay = replay if keep is None else replay[:, keep]
-        out, ids, agree = self(x, replay)
+        out, ids, agree = self(x, replay, routing is None or routing.apply)
         if routing is not None and routing.record:
             ids = ids.to(self.route_dtype)
             if keep is not None:

@@ -218,6 +218,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # dispatched copies (x, gate_up, silu, act, output, weighted) + the shared experts + the router's fp32 scores
     mlp_width = I
     moe_token = 0
+    n_moe = len(cfg.moe_layers)
+    route_bytes = n_moe * cfg.moe.num_experts_per_tok * torch.tensor([], dtype=route_dtype(cfg)).element_size() if n_moe else 0
     if cfg.moe is not None:
         e = cfg.moe
         Im, k, Is = e.moe_intermediate_size, e.num_experts_per_tok, e.moe_intermediate_size * e.n_shared_experts
@@ -295,8 +297,6 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     T = (blocks + 1) * BLOCK_SIZE  # and the scratch block
     # bf16 KV per token slot: keys and values per layer (MLA: its latent, kv_lora_rank + qk_rope_head_dim values), the
     # indexer's keys on F layers; MoE: the experts each layer chose for the slot's token (routing replay), 1-2 bytes each
-    n_moe = len(cfg.moe_layers)
-    route_bytes = n_moe * cfg.moe.num_experts_per_tok * torch.tensor([], dtype=route_dtype(cfg)).element_size() if n_moe else 0
     kv_token = 2 * (L * cfg.kv_width + n_F * (cfg.dsa.head_dim if cfg.dsa else 0)) + route_bytes
     if engine == "sglang":
         generator = [(f"{'fp8' if fp8 else 'bf16'} weights, inside SGLang's share of the GPU", weights)]
