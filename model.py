@@ -333,6 +333,11 @@ class PagedKVCache:
         self.free = list(range(num_blocks - 1, -1, -1))  # free block ids; pop() hands out the lowest first
         self.slots = self.keys = self.key_valid = self.packed = None  # set by the engine before each forward
         self.copies = []
+        # MoE: per MoE layer, the experts [N, k] each slot's token took (written by the forward, MoE.routed): the
+        # generator's routes, which the engine reads out with each finished row for the learner to replay
+        dt = route_dtype(cfg) if cfg.moe else None
+        self.routes = [torch.full((N, cfg.moe.num_experts_per_tok), no_route(dt), dtype=dt, device=device)
+                       for _ in cfg.moe_layers] if cfg.moe else []
 
     def write(self, store, i, new):
         """Store new [B, T, ...] of layer i at `slots` (and its copies); return it unchanged (prefill
@@ -1347,20 +1352,26 @@ class MoE(nn.Module):
                                           self.experts.down_proj)
         return (out + self.shared_experts(flat)).view(B, T, H), ids.view(B, T, ids.shape[-1]), agree
 
-    def routed(self, x, routing: Routing | None, keep, T):
+    def routed(self, x, routing: Routing | None, keep, T, cache=None):
         """forward() with the forward's Routing: x [B, T | K, hidden] (K rows: the last block's kept
-        positions `keep` of T) takes its replayed ids, and leaves its choice and agreement there."""
+        positions `keep` of T) takes its replayed ids, and leaves its choice and agreement there. In the engine's
+        forwards (cache: a PagedKVCache with `routes`) the choice is also written beside each token's KV, at its
+        slot: routing replay's record of the generator, which a CUDA graph's replay writes as well."""
         replay = None
         if routing is not None and routing.replay is not None:
             replay = routing.replay[self.index]
             replay = replay if keep is None else replay[:, keep]
         out, ids, agree = self(x, replay, routing is None or routing.apply)
-        if routing is not None and routing.record:
+        paged = isinstance(cache, PagedKVCache) and bool(cache.routes)
+        if (routing is not None and routing.record) or paged:
             ids = ids.to(self.route_dtype)
-            if keep is not None:
+            if keep is not None:  # [B, T, k]: NO_ROUTE where the last block did not run
                 full = ids.new_full((ids.shape[0], T, ids.shape[2]), no_route(self.route_dtype))
                 full[:, keep] = ids
                 ids = full
+            if paged:
+                cache.write(cache.routes, self.index, ids)
+        if routing is not None and routing.record:
             routing.chosen[self.index] = ids
         if agree is not None:
             routing.agree[self.index] = agree
@@ -1382,7 +1393,7 @@ class LatentBlock(nn.Module):
         h, selected, kl = self.self_attn(self.input_layernorm(x), rope, mask, cache, selected, indexer_loss, keep)
         x = (x if keep is None else x[:, keep]) + h
         h = self.post_attention_layernorm(x)
-        h = self.mlp.routed(h, routing, keep, T) if isinstance(self.mlp, MoE) else self.mlp(h)
+        h = self.mlp.routed(h, routing, keep, T, cache) if isinstance(self.mlp, MoE) else self.mlp(h)
         return x + h, selected, kl
 
 
