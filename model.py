@@ -20,6 +20,9 @@ Each of them is described by an `AttnMask`, built once per forward and shared by
 
 Checkpoints are Hugging Face directories (config.json + *.safetensors, sharded or not), read and
 written with transformers' parameter names, so a saved model loads in `Glm4ForCausalLM` and back.
+
+GLM-4.7-Flash and GLM-5 (Multi-head Latent Attention + Mixture of Experts, transformers' glm4_moe_lite and
+glm_moe_dsa) live in the last section of this file, beside this dense path, which never reads them.
 """
 import json
 import os
