@@ -649,6 +649,8 @@ class GLM(nn.Module):
             raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face model directory)")
         with open(cfg_path) as f:
             cfg = GLMConfig.from_hf(json.load(f))
+        if dsa is False and cfg.model_type == "glm_moe_dsa":  # GLM-5 without its indexers: GLM-4.7-Flash's model
+            cfg = replace(cfg, model_type="glm4_moe_lite")
         if dsa is not None:
             cfg = replace(cfg, dsa=dsa or None)  # re-validates; a dict becomes a DSAConfig
         dtype = dtype or (torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32)
