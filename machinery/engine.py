@@ -568,8 +568,9 @@ class TorchEngine:
             for j, (r, n) in enumerate(batch):
                 r.tokens += tok[j, :n].tolist()
                 r.logprobs += lp[j, :n].tolist()
-                if routes is not None:
-                    r.routes = extend_routes(r.routes, routes[j])
+                if routes is not None:  # the positions fed so far: not its last token (a row that stopped at its
+                    # prefill's token rode one decode step along, feeding it: that route is not the trajectory's)
+                    r.routes = extend_routes(r.routes, routes[j][:len(r.prompt) + len(r.tokens) - 1])
                 landed.append((r, finish))
         self.sched.land(landed)
         self.landing = []
