@@ -266,6 +266,9 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
                                           entropy=entropy, routing=routing)  # [N_mb] log pi_theta (= pi_prox in value)
             if mb is None:
                 learner_backward(model, logp.sum() * 0.0, last)
+                if k == 0 and unwrap(model).cfg.moe is not None:  # routing_metrics' extra forward, as the other ranks
+                    with torch.no_grad():  # run it (FSDP's gathers are collectives)
+                        packed_forward(model, dummy_rows(model), cfg.rollout.temperature)
                 continue
             loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), adv[mb.samples].to(device), mb.mask, g,
                                        ref_logp=None if ref_model is None else mb.pad(ref_logp[mb.tokens]),

@@ -633,7 +633,11 @@ def plan_memory(cfg: Config, processes, shared=False, offload=True):
     """The per-GPU memory plan of this config with `processes` generator/learner pairs in all (shared: on one GPU;
     train.colocate: `processes` GPUs, each both in turn, offload: the learner's state leaving it while it generates)."""
     r, g, t = cfg.rollout, cfg.grpo, cfg.train
-    return memory_plan(architecture(cfg), learner_gpus=processes, parallel=t.parallel,
+    arch = architecture(cfg)
+    if arch.moe is not None and r.engine == "sglang":  # (the architecture is known here, not in check_config)
+        raise ConfigError(f"rollout.engine: sglang with an MoE model ({arch.model_type}) is not supported: the SGLang "
+                          "adapter returns no routes for routing replay and loads no MLA weights; use rollout.engine: torch")
+    return memory_plan(arch, learner_gpus=processes, parallel=t.parallel,
                        # a sequence longer than the micro-batch budget is a micro-batch of its own (data.pack_by_tokens)
                        micro_batch_tokens=max(cfg.optim.max_tokens_per_micro_batch, r.max_prompt_tokens + response_budget(cfg, False)),
                        gradient_checkpointing=cfg.model.gradient_checkpointing,
