@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dsa import FP32_PARAMS
+from model import FP32_PARAMS
 
 # Every linear layer of a decoder block; the indexer's (dsa.Indexer) and lm_head are never targets
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -168,7 +168,7 @@ def merged_weight(m: LoRALinear, dtype=torch.float32):
 @torch.no_grad()
 def merged(model, dtype=torch.float32):
     """A plain GLM, no adapters: each adapted linear W + scale B A (merged_weight, in fp32, then cast), the rest
-    the model's own, every weight in dtype but dsa.FP32_PARAMS. Returns (the model, the rounding's error as a
+    the model's own, every weight in dtype but model.FP32_PARAMS. Returns (the model, the rounding's error as a
     share of the adapters' delta, mean over the layers: 0 in fp32)."""
     from model import GLM
     state = {n: t for n, t in model.state_dict().items() if not n.endswith((".lora_A", ".lora_B"))}
