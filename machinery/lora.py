@@ -12,6 +12,23 @@ best learning rate barely moves with the rank. RL learns few bits per episode, s
 
 The DSA indexer gets no adapters: it is trained by its own KL loss in the warm-up, never by the policy loss.
 
+The MoE families (GLM-4.7-Flash, GLM-5): adapters on every nn.Linear a token always passes through: MLA's
+projections (q_a_proj, q_b_proj or q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj), the first dense layers'
+SwiGLU and each MoE layer's shared experts (gate_proj, up_proj, down_proj). Two things get none, and stay frozen:
+  - The routed experts. Their weights are stacked [E, ...] tensors multiplied by grouped matmuls (kernels/moe.py),
+    not linear layers; per-expert adapters would need their own grouped low-rank matmuls in the learner and the
+    engine, E pairs of adapters per layer (64 for GLM-4.7-Flash), and each pair would learn from the ~k/E of the
+    tokens routed to its expert (4/64) where the shared expert's adapters see every token. What this gives up:
+    most of an MoE model's MLP parameters are its routed experts, and LoRA Without Regret found that adapters on
+    attention alone fall short of full fine-tuning where adapters on the MLPs too do not; adapting the experts
+    (per expert, inside experts_forward) is the extension to try if the always-on adapters fall short.
+  - The router (mlp.gate.weight, an fp32 [E, hidden] matrix, with its score-correction bias buffer). LoRA on a
+    64-row matrix saves nothing, and training it directly would break what LoRA's sharing rests on: the KL
+    reference is this model with its adapters off (Base), and the generator holds the base and receives only
+    adapters (share_base, full_weights), so every weight but the adapters must stay the base's. A frozen router
+    also keeps the experts' choice as the warm-up stages left it (routing replay then replays the generator's
+    choice of that same router).
+
 What sharing the base buys: the adapters are megabytes where the model is gigabytes, so a publish moves the
 adapters alone, a checkpoint holds adapters and their optimizer state, and the KL reference is the same model
 with its adapters switched off (`disabled`), at no memory. Adapters are saved in peft's layout
@@ -32,17 +49,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dsa import FP32_PARAMS
+from model import FP32_PARAMS
 
-# Every linear layer of a decoder block; the indexer's (dsa.Indexer) and lm_head are never targets
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+# Every linear layer of a decoder block, by module name: GLM-4's, then the MoE families' MLA projections and SwiGLU
+# (dense layers and shared experts: gate_proj, up_proj, down_proj). The indexer's (dsa.Indexer), lm_head, the MoE
+# router (mlp.gate) and the routed experts (stacked tensors, not linears) are never targets (the docstring says why).
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj",
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj")
 
 
 @dataclass
 class LoRAConfig:
     rank: int = 32  # RL learns with small ranks (LoRA Without Regret: even rank 1); 32 leaves room for SFT-like data
     alpha: float = 32.0  # the scale is alpha / rank: with alpha fixed, the best learning rate hardly moves with rank
-    targets: tuple = TARGETS  # module names; every decoder linear by default (attention-only LoRA underperforms)
+    targets: tuple = TARGETS  # module names; every decoder linear by default (attention-only LoRA underperforms);
+    # names a model does not have adapt nothing (GLM-4 has no q_a_proj, the MoE families no gate_up_proj)
     lr: float | None = None  # the adapters' learning rate; null: 10x optim.lr (LoRA Without Regret's ratio)
 
     def __post_init__(self):
@@ -73,6 +94,14 @@ class LoRALinear(nn.Linear):
             a, b = a.to(x.dtype), b.to(x.dtype)
         return y + F.linear(F.linear(x, a), b) * self.lora_scale
 
+    def matrix(self):
+        """The layer's effective weight [out, in] as one matrix, in the weight's dtype: W + scale * B A (adapters
+        on), for a caller that uses the weight as a matrix rather than through forward (MLA's absorbed decode
+        folds kv_b_proj's key half into the query)."""
+        if not self.lora_on:
+            return self.weight
+        return (self.weight.float() + self.lora_scale * self.lora_B.float() @ self.lora_A.float()).to(self.weight.dtype)
+
 
 def add(model, cfg: LoRAConfig, seed: int = 0):
     """Put adapters on every targeted linear of model's decoder blocks, in place: A drawn as nn.Linear draws
@@ -81,6 +110,7 @@ def add(model, cfg: LoRAConfig, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
     model.requires_grad_(False)
     for name, m in list(model.named_modules()):
+        # (the MoE router, mlp.gate, and the routed experts, mlp.experts, are no nn.Linear: never adapted)
         if name.rsplit(".", 1)[-1] not in cfg.targets or ".indexer" in name or not isinstance(m, nn.Linear):
             continue
         m.__class__ = LoRALinear  # the same module, weight and bias untouched: only the adapters are added
@@ -168,7 +198,7 @@ def merged_weight(m: LoRALinear, dtype=torch.float32):
 @torch.no_grad()
 def merged(model, dtype=torch.float32):
     """A plain GLM, no adapters: each adapted linear W + scale B A (merged_weight, in fp32, then cast), the rest
-    the model's own, every weight in dtype but dsa.FP32_PARAMS. Returns (the model, the rounding's error as a
+    the model's own, every weight in dtype but model.FP32_PARAMS. Returns (the model, the rounding's error as a
     share of the adapters' delta, mean over the layers: 0 in fp32)."""
     from model import GLM
     state = {n: t for n, t in model.state_dict().items() if not n.endswith((".lora_A", ".lora_B"))}
@@ -199,7 +229,7 @@ def export_merged(checkpoint, out_dir, dtype=torch.float32):
     return error
 
 
-PEFT_PREFIX = "base_model.model.model."  # peft's PeftModel > Glm4ForCausalLM > Glm4Model
+PEFT_PREFIX = "base_model.model.model."  # peft's PeftModel > Glm4ForCausalLM > Glm4Model (the MoE families alike)
 
 
 def peft_name(name: str) -> str:
@@ -214,11 +244,19 @@ def our_adapter_name(key: str) -> str:
 
 def write_adapters(model, folder, base_model: str | None = None):
     """The adapters in peft's layout, into folder: adapter_config.json and adapter_model.safetensors (fp32).
-    peft loads them onto transformers' Glm4ForCausalLM of the base."""
+    peft loads them onto transformers' model of the base (Glm4ForCausalLM, Glm4MoeLiteForCausalLM, ...: the same
+    module names as ours)."""
     from safetensors.torch import save_file
     cfg = model.lora
+    # The modules that hold adapters (of cfg.targets, those this model has): what peft looks for, and what load_model
+    # adds again. MoE families: spelled within the layer (mlp.shared_experts.gate_proj, mlp.gate_proj), since peft
+    # under transformers 5 reads a bare gate_proj / up_proj / down_proj of these models as the routed experts (their
+    # transformers 4 per-expert names) and moves it onto mlp.experts; peft releases up to 0.21 do so with the
+    # qualified names too (huggingface/peft#3711), so those load our MLP adapters onto the wrong weights.
+    adapted = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]  # layers.<i>.<path in the layer>
+    targets = sorted({n.split(".", 2)[2] if model.cfg.moe is not None else n.rsplit(".", 1)[-1] for n in adapted})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-              "target_modules": sorted(cfg.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "use_rslora": False, "use_dora": False, "init_lora_weights": True, "base_model_name_or_path": base_model}
     with open(os.path.join(folder, "adapter_config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -259,7 +297,8 @@ def load_model(path, load):
     with open(os.path.join(path, "adapter_config.json")) as f:
         c = json.load(f)
     model = load(base_dir(path))
-    add(model, LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], targets=tuple(c["target_modules"])))
+    targets = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in c["target_modules"]))  # (qualified: MoE families)
+    add(model, LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], targets=targets))
     load_adapters(model, {our_adapter_name(k): t for k, t in load_file(os.path.join(path, ADAPTERS)).items()})
     return model
 

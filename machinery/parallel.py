@@ -31,8 +31,7 @@ import data
 from machinery import fp8
 from machinery import lora
 from machinery.config import ConfigError
-from dsa import FP32_PARAMS
-from model import GLM, Routing, no_route
+from model import FP32_PARAMS, GLM, MoE, Routing, no_route
 
 
 def rank():
@@ -182,18 +181,30 @@ def parallel_learner(model, device, parallel):
 
 
 def shard(model, device):
-    """FSDP2 over every rank: one unit per decoder layer (its indexer one of its own, so that dsa.FP32_PARAMS
-    arrive in fp32) and the root (embeddings, final norm, lm_head). Works on a meta-device model too."""
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
-          else MixedPrecisionPolicy())
+    """FSDP2 over every rank: one unit per decoder layer and the root (embeddings, final norm, lm_head). Units of
+    their own, gathered as stored (fp32) where the layer's are gathered in bf16: a layer's DSA indexer and an MoE
+    layer's router (model.FP32_PARAMS: the router compares fp32 scores, which a bf16 weight would perturb enough
+    to flip near-tied experts). The routed experts' [E, ...] tensors shard along dim 0 like any weight: each rank
+    holds E / world() experts' rows. Works on a meta-device model too."""
+    mp = gather_policy(device)
     mesh = init_device_mesh(device.type, (world(),))
     fp32 = MixedPrecisionPolicy(reduce_dtype=torch.float32)  # gathered as stored: fp32
     for layer in model.layers:
         if layer.self_attn.indexer is not None:
             fully_shard(layer.self_attn.indexer, mesh=mesh, mp_policy=fp32)
+        if isinstance(layer.mlp, MoE):
+            fully_shard(layer.mlp.gate, mesh=mesh, mp_policy=fp32)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def gather_policy(device):
+    """FSDP2's mixed precision for the decoder's units: on GPUs weights gathered in bf16 (what autocast would cast
+    them to anyway) and gradients reduced in fp32; on the CPU everything as stored."""
+    if device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def load_learner(path, dsa, device, parallel, dtype=torch.float32):
@@ -297,7 +308,7 @@ def full_weights(model, dtype=None, quantization=None, base=False):
     def gathered():
         for name, p in unwrap(model).named_parameters():
             p = p.detach()
-            if hasattr(p, "full_tensor"):  # dsa.FP32_PARAMS travel in fp32: the engine keeps them so
+            if hasattr(p, "full_tensor"):  # model.FP32_PARAMS travel in fp32: the engine keeps them so
                 p = (p.to(dtype) if dtype is not None and not name.endswith(FP32_PARAMS) else p).full_tensor()
             elif quantization and dtype is not None and fp8.is_quantized(name):
                 p = p.to(dtype)

@@ -1,5 +1,6 @@
-"""Tests for parallel.py in one process (the multi-process paths run in tests/test_train.py under
-torchrun): the non-finite guard's count of skipped steps, and the micro-batch evening."""
+"""Tests for parallel.py: the non-finite guard's count of skipped steps and the micro-batch evening in one process;
+under torchrun with 2 CPU ranks (gloo), FSDP2's sharded loading and an MoE model's learner step against one
+process. (Whole multi-process runs are in tests/test_train.py.)"""
 import os
 import subprocess
 import sys
@@ -7,8 +8,10 @@ import sys
 import pytest
 import torch
 
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 from machinery import parallel
-from model import GLM, GLMConfig
+from model import FP32_PARAMS, GLM, GLMConfig, Routing
 
 
 def test_skips_in_a_row_stop_with_one_line():
@@ -32,11 +35,19 @@ def test_micro_batches_in_one_process_are_the_groups():
 # ----------------------------------------------------------------------------- loading sharded
 # torchrun with gloo on the CPU: each of 2 FSDP ranks loads only its rows of every tensor
 # (parallel.load_learner); gathered, the model must equal one process's from_pretrained, bit for bit.
-# This file is the worker: `torchrun ... tests/test_parallel.py DIR`.
+# This file is the worker: `torchrun ... tests/test_parallel.py DIR`. One torchrun serves every test below (a
+# module fixture): the dense loading cases, then the MoE step.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 DSA = {"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}
+# A tiny GLM-5-shaped model (glm_moe_dsa: MLA, DSA, a dense layer then two MoE layers) whose 5 experts and
+# 5-row routers 2 ranks split unevenly (3 + 2)
+MOE = dict(model_type="glm_moe_dsa", vocab_size=37, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+           num_kv_heads=4, eos_token_id=[1], pad_token_id=0, dsa=DSA,
+           mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+           moe=dict(n_routed_experts=5, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                    routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"]))
 
 
 def save_tiny(path, dsa, tied):
@@ -44,11 +55,18 @@ def save_tiny(path, dsa, tied):
     torch.manual_seed(0)
     cfg = GLMConfig(vocab_size=37, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
                     head_dim=8, eos_token_id=[1], pad_token_id=0, dsa=dsa, tie_word_embeddings=tied)
-    model = GLM(cfg)
+    distinct(GLM(cfg)).save_pretrained(path)
+
+
+def distinct(model):
+    """Every tensor distinct (norms, biases and the routers' score-correction biases included)."""
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn_like(p))  # every tensor distinct (norms and biases included)
-    model.save_pretrained(path)
+            p.add_(torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
+    return model
 
 
 def load(ckpt, dsa):
@@ -59,23 +77,94 @@ def load(ckpt, dsa):
 CASES = [(DSA, None, False), (None, DSA, False), (None, None, True)]  # (saved, loaded, tied)
 
 
-def test_two_fsdp_ranks_load_only_their_shards_and_match_one_process(tmp_path):
-    """(saved, loaded, tied): a DSA checkpoint as is; a dense one turned DSA (fresh indexers, drawn whole from the
-    seed on every rank, each keeping its rows); tied embeddings. One torchrun loads all three."""
-    ckpts = [str(tmp_path / f"ckpt{i}") for i in range(len(CASES))]
-    for ckpt, (saved, _, tied) in zip(ckpts, CASES):
-        save_tiny(ckpt, saved, tied)
-    p = subprocess.run([*TORCHRUN, "tests/test_parallel.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """DIR after one torchrun of 2 ranks over DIR/ckpt<i> (CASES) and DIR/moe: DIR/weights<i>.pt, DIR/moe_step.pt."""
+    out = tmp_path_factory.mktemp("ranks")
+    for i, (saved, _, tied) in enumerate(CASES):
+        save_tiny(str(out / f"ckpt{i}"), saved, tied)
+    torch.manual_seed(0)
+    distinct(GLM(GLMConfig(**MOE))).save_pretrained(str(out / "moe"))
+    p = subprocess.run([*TORCHRUN, "tests/test_parallel.py", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=300, env=os.environ | {"PYTHONPATH": ROOT})
     assert p.returncode == 0, p.stderr[-3000:]
-    for i, (ckpt, (_, loaded, _)) in enumerate(zip(ckpts, CASES)):
-        two, one = torch.load(str(tmp_path / f"weights{i}.pt")), dict(load(ckpt, loaded).named_parameters())
+    return out
+
+
+def test_two_fsdp_ranks_load_only_their_shards_and_match_one_process(two_ranks):
+    """(saved, loaded, tied): a DSA checkpoint as is; a dense one turned DSA (fresh indexers, drawn whole from the
+    seed on every rank, each keeping its rows); tied embeddings. One torchrun loads all three."""
+    for i, (_, loaded, _) in enumerate(CASES):
+        two, one = torch.load(str(two_ranks / f"weights{i}.pt")), dict(load(str(two_ranks / f"ckpt{i}"), loaded).named_parameters())
         assert set(two) == set(one)
         for name in one:
             assert torch.equal(two[name], one[name].detach()), (i, name)
 
 
-if __name__ == "__main__":  # the worker: tests/test_parallel.py DIR (DIR/ckpt<i> -> DIR/weights<i>.pt)
+# ----------------------------------------------------------------------------- an MoE model under FSDP2
+# One learner step of the tiny MoE model (MOE), rank r of 2 on rows 2r, 2r+1 of a fixed batch of 4, against one
+# process on all 4: the same routes, loss, full gradients and stepped weights (float tolerance, max |two - one| over
+# max |one| per tensor < 1e-5: the ranks' partial sums add in another order; measured up to 1.7e-6 for the
+# gradients, the embeddings' (the largest, summed over every layer's path)). The experts load expert-sharded (each rank reads
+# its own experts' files) and shard along dim 0; each router is an FSDP unit of its own, gathered in fp32 where
+# the rest of its layer is gathered in bf16 (checked with the GPU's policy forced on the CPU).
+
+BATCH = torch.randint(2, 37, (4, 12), generator=torch.Generator().manual_seed(3))
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def moe_step(model):
+    """SGD at lr 0.5 on this rank's rows of BATCH (next-token NLL summed over the global batch's 44 targets). Returns
+    {"loss", "routes" (per MoE layer [B, T, k] of this rank's rows), "grads", "weights"} with full tensors."""
+    for name, p in model.named_parameters():  # what RL trains: everything but the indexer (lora.rl_trainable)
+        p.requires_grad_(".indexer." not in name)
+    rows = BATCH if parallel.world() == 1 else BATCH[2 * parallel.rank():2 * parallel.rank() + 2]
+    routing = Routing(record=True)
+    logits = model(rows, routing=routing)
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten(), reduction="sum")
+    parallel.learner_backward(model, nll / BATCH[:, 1:].numel(), last=True)
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731 - (a collective under FSDP)
+    grads = {n: full(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
+    return {"loss": parallel.global_sum(nll.item())[0] / BATCH[:, 1:].numel(), "grads": grads,
+            "routes": [r.clone() for r in routing.chosen],
+            "weights": {n: t.clone() for n, t in parallel.full_weights(model)}}
+
+
+def test_an_moe_model_under_fsdp_steps_as_one_process(two_ranks):
+    two = torch.load(str(two_ranks / "moe_step.pt"))
+    one = moe_step(load(str(two_ranks / "moe"), None))
+    assert [r.shape for r in one["routes"]] == [(4, 12, 2)] * 2
+    for j, routes in enumerate(one["routes"]):  # each rank's rows took the experts one process's did
+        assert torch.equal(torch.cat([two["routes0"][j], two["routes1"][j]]), routes)
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert set(two["grads"]) == set(one["grads"]) and "layers.1.mlp.gate.weight" in one["grads"]
+    assert "layers.1.mlp.experts.gate_up_proj" in one["grads"] and not any(".indexer." in n for n in one["grads"])
+    for name, g in one["grads"].items():
+        assert rel_err(two["grads"][name], g) < 1e-5, name
+    start = dict(load(str(two_ranks / "moe"), None).named_parameters())
+    assert (one["weights"]["layers.2.mlp.gate.weight"] - start["layers.2.mlp.gate.weight"]).abs().max() > 1e-4
+    for name, w in one["weights"].items():
+        assert rel_err(two["weights"][name], w) < 1e-5, name
+    # what the ranks published to a bf16 generator: their own stepped weights, in bf16 but the routers' (fp32)
+    published = two["published"]
+    assert set(published) == set(one["weights"])
+    for name, t in published.items():
+        want = two["weights"][name]
+        assert torch.equal(t, want if name.endswith(FP32_PARAMS) else want.to(torch.bfloat16)), name
+    assert {n for n, t in published.items() if t.dtype == torch.float32} == {
+        f"layers.{i}.{n}" for i in (0, 2) for n in ("self_attn.indexer.weights_proj.weight",
+                                                     "self_attn.indexer.k_norm.weight", "self_attn.indexer.k_norm.bias")
+    } | {f"layers.{i}.mlp.gate.weight" for i in (1, 2)}
+    # the GPU's policy (bf16 gathers) forced: inside the forward a router's weight is whole and fp32, the
+    # experts beside it whole and bf16
+    assert two["gathered"] == {"router": (torch.float32, (5, 32)), "experts": (torch.bfloat16, (5, 32, 32))}
+
+
+if __name__ == "__main__":  # the worker: tests/test_parallel.py DIR (DIR/ckpt<i> -> DIR/weights<i>.pt; DIR/moe)
     parallel.init_processes(torch.device("cpu"))
     for i, (_, loaded, tied) in enumerate(CASES):
         model = load(os.path.join(sys.argv[1], f"ckpt{i}"), loaded)
@@ -86,4 +175,26 @@ if __name__ == "__main__":  # the worker: tests/test_parallel.py DIR (DIR/ckpt<i
         full = {k: v.clone() for k, v in parallel.full_weights(model)}
         if parallel.rank() == 0:
             torch.save(full, os.path.join(sys.argv[1], f"weights{i}.pt"))
+
+    moe = os.path.join(sys.argv[1], "moe")
+    model = load(moe, None)
+    experts = model.layers[1].mlp.experts.gate_up_proj
+    assert experts.to_local().shape[0] == (3, 2)[parallel.rank()]  # rank r holds experts 3r..: dim 0 sharded
+    result = moe_step(model)
+    result["published"] = {n: t.clone() for n, t in parallel.full_weights(model, torch.bfloat16)}
+    routes = parallel.all_gather(result.pop("routes"))
+    result.update(routes0=routes[0], routes1=routes[1])
+
+    parallel.gather_policy = lambda device: MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                 reduce_dtype=torch.float32)  # a GPU's
+    model, gathered = load(moe, None), {}
+    mlp = model.layers[1].mlp
+    seen = lambda key, t: gathered.setdefault(key, (t.dtype, tuple(t.shape))) and None  # noqa: E731 - (None: args kept)
+    mlp.gate.register_forward_pre_hook(lambda m, _: seen("router", m.weight))
+    mlp.register_forward_pre_hook(lambda m, _: seen("experts", m.experts.gate_up_proj))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # (the learner's autocast, as on a GPU)
+        model(BATCH[:2])
+    result["gathered"] = gathered
+    if parallel.rank() == 0:
+        torch.save(result, os.path.join(sys.argv[1], "moe_step.pt"))
     torch.distributed.destroy_process_group()
