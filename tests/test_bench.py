@@ -128,3 +128,37 @@ def test_fp8_bench_errors_on_a_small_shape():
     (r,) = bench_fp8.errors({"down": (200, 300)}, torch.device("cpu"), rows=16, checkpoint=None, log=lambda m: None)
     assert r["shape"] == [200, 300] and 0.02 < r["w_rel_fro"] < 0.035
     assert r["w_rel_fro"] * 0.8 < r["w8a8"] < 2 * r["w_rel_fro"] and r["bf16"] < r["w8a8"] / 5
+
+
+def test_moe_bench_runs_both_paths_and_writes_its_section(tmp_path):
+    """bench/moe.py --quick on the tiny shape (side by side with transformers, from its saved checkpoint) and on the
+    flash path (GLM-4.7-Flash's config, widths shrunk, transformers' copy taken in memory): both models hold the same
+    weights, every learner side and engine ran, and --write puts the table between its markers. No timing asserted."""
+    out = tmp_path / "benchmarks.md"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "moe.py"), "--quick", "--shape", "tiny,flash",
+                        "--json", str(tmp_path / "moe.json"), "--md", str(tmp_path / "moe.md"), "--write", "--out",
+                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads((tmp_path / "moe.json").read_text())
+    assert set(res["models"]) == {"tiny", "flash"}
+    for shape, m in res["models"].items():
+        assert m["params"] > 0 and m["logits_rel_err"] < 1e-4, shape  # the same weights on both sides (fp32)
+    assert res["models"]["tiny"]["config"]["model_type"] == "glm_moe_dsa"
+    assert res["models"]["flash"]["config"]["model_type"] == "glm4_moe_lite"
+    for shape in ("tiny", "flash"):
+        rows = [x for x in res["learner"] if x["shape"] == shape]
+        assert [x["side"] for x in rows] == ["rl_step, routes replayed", "rl_step, fresh routes", "transformers"]
+        assert len({x["tokens"] for x in rows}) == 1 and all(x["tokens_per_s"] > 0 for x in rows)
+    engine = {(x["shape"], x.get("workload", x.get("rows")), x["side"]): x for x in res["engine"]}
+    for workload in ("uniform", "rl"):
+        for side in ("TorchEngine", "transformers `generate`"):
+            assert engine["tiny", workload, side]["tokens_per_s"] > 0
+    for rows in (2, 4):  # no CUDA graphs on a CPU: eager and transformers
+        for side in ("eager", "hf"):
+            x = engine["flash", rows, side]
+            assert "error" not in x and x["decode_tokens_per_s"] > 0 and x["prefill_tokens_per_s"] > 0
+    md = (tmp_path / "moe.md").read_text()
+    assert "| tiny | quick: 16 sequences" in md and "| 4 | TorchEngine, eager |" in md
+    written = out.read_text()
+    assert "<!-- moe-cpu -->" in written and "<!-- /moe-cpu -->" in written and md.strip() in written
