@@ -364,13 +364,17 @@ def learner_rows(label, what, samples, sides):
 
 def ensure_pool_routes():
     """The engine reads the routes each MoE layer wrote beside the KV (model.PagedKVCache.routes). A model.py
-    without them yet gets an empty list on the class, so that the engine hands completions no routes (said
-    in the table) instead of failing; with them, nothing changes. Returns whether routes are recorded."""
+    without them yet gets an empty list on the class, so that the engine hands completions no routes (said in the
+    table) instead of failing; with them, nothing changes."""
     tiny = arch_of("tiny", 0, True)
-    if hasattr(model_py.PagedKVCache(tiny, 1, model_py.BLOCK_SIZE), "routes"):
-        return True
-    model_py.PagedKVCache.routes = ()
-    return False
+    if not hasattr(model_py.PagedKVCache(tiny, 1, model_py.BLOCK_SIZE), "routes"):
+        model_py.PagedKVCache.routes = ()
+
+
+def carries_routes(gen) -> bool:
+    """Whether the engine's completions on this model carry their routes (one short call)."""
+    out = TorchEngine(gen, max_batch=1).generate([[3, 4, 5]], SamplingParams(temperature=1.0, max_new_tokens=2), seed=0)
+    return out[0].routes is not None
 
 
 def quick_workloads(arch):
@@ -406,6 +410,7 @@ def engine_part(arch, path, device, args):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ours = GLM.from_pretrained(path, dtype=dtype, device=device)
     hf = hf_class(arch).from_pretrained(path, dtype=dtype).to(device).eval()
+    args.routes.append(carries_routes(ours))
     work = quick_workloads(arch) if args.quick else workloads(arch, args.batch)
     rows = []
     for name, w in work.items():
@@ -423,6 +428,7 @@ def flash_engine(gen, hf, arch, device, args):
     """Prefill and decode tokens/s at each --gen-batch: ours with CUDA graphs (on CUDA) and eagerly, transformers."""
     g = torch.Generator().manual_seed(2)
     rows = []
+    args.routes.append(carries_routes(gen))
     for B in [int(b) for b in str(args.gen_batch).split(",")]:
         prompts = [torch.randint(2, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(B)]
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=())
@@ -564,10 +570,9 @@ def markdown(result):
             lines.append(f"| {r['rows']} | {names[r['side']]}{' (' + r['note'] + ')' if r['note'] else ''} | "
                          f"{r['prefill_s']:.3f} | {r['prefill_tokens_per_s']:.0f} | {r['decode_s']:.2f} | "
                          f"{r['decode_tokens_per_s']:.0f} | {gib(r['peak'])} | {gib(r['before'])} |")
-    if not result["routes_recorded"] and result["engine"]:
-        lines += ["", "The engine ran without recording routes: this model.py's PagedKVCache has none yet "
-                      "(bench/moe.py's "
-                      "ensure_pool_routes), so its completions carry none and its figures leave that work out."]
+    if result["routes_recorded"] is False:
+        lines += ["", "The engine's completions carried no routes: this model.py does not record them beside the KV "
+                      "(model.PagedKVCache.routes) yet, so the engine's figures leave that work out."]
     return "\n".join(lines)
 
 
@@ -642,12 +647,13 @@ def main(argv=None):
     if args.samples % 8:
         ap.error("--samples: whole groups of 8")
 
-    routes = ensure_pool_routes()
+    ensure_pool_routes()
+    args.routes = []  # per engine model: whether its completions carried routes
     import transformers
     command = "python bench/moe.py " + " ".join(sys.argv[1:] if argv is None else argv)
     result = dict(machine=machine(device), command=command,
-                  transformers=transformers.__version__, setting=setting(args, device), routes_recorded=routes,
-                  models={}, learner=[], engine=[])
+                  transformers=transformers.__version__, setting=setting(args, device), models={}, learner=[],
+                  engine=[])
     if device.type == "cuda":
         torch.cuda.set_device(device)
     for shape in args.shapes:
@@ -655,6 +661,7 @@ def main(argv=None):
             flash(device, args, result)
         else:
             side_by_side(shape, device, args, result)
+    result["routes_recorded"] = all(args.routes) if args.routes else None
     md = markdown(result)
     print(md, flush=True)
     write_results(args, result, md)
