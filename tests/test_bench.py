@@ -1,6 +1,7 @@
 """bench/gpu.sh in dry mode (what a CPU machine runs of it) and the CPU sides of its scripts: bench/parity.py
-on tiny shapes in bf16, bench/gpu_memory.py's plan, bench/fp8.py's error table on one small shape. The CUDA parts are only
-planned here; a GPU machine runs them (`bash bench/gpu.sh OUTDIR`). No timing is asserted."""
+on tiny shapes in bf16, bench/gpu_memory.py's plan, bench/moe.py's quick run, bench/fp8.py's error table on one small
+shape. The CUDA parts are only planned here; a GPU machine runs them (`bash bench/gpu.sh OUTDIR`). No timing is
+asserted."""
 import copy
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6", "7"]
+PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6", "7", "8"]
 CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "5", "6"]
 
 
@@ -21,7 +22,7 @@ def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_sh") / "out"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHON": sys.executable}
     r = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry", str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=180)
+                       capture_output=True, text=True, timeout=300)
     return r, out
 
 
@@ -37,7 +38,7 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
         assert f"---- part {part}:" in r.stdout  # planned: its command and timeout printed
     for part in CUDA_PARTS:
         assert f"SKIP part {part} (" in r.stdout and "needs CUDA" in r.stdout
-    assert status(out) == {p: "ok" if p in ("2", "3", "7") else "skipped (needs CUDA)" for p in PARTS}
+    assert status(out) == {p: "ok" if p in ("2", "3", "7", "8") else "skipped (needs CUDA)" for p in PARTS}
     # part 1's tests were found in tests/ (a skipif on CUDA, or a CUDA branch), and are named, not the suite
     assert "tests/test_engine.py::test_cuda_graph_replays_give_the_eager_tokens" in r.stdout
     assert "tests/test_model.py::test_cuda_attention_never_falls_back_to_the_math_kernel" in r.stdout
@@ -48,7 +49,8 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
 def test_dry_run_writes_its_files_and_summary(dry):
     _, out = dry
     for name in ("summary.md", "status.tsv", "0_env.log", "2_parity.log", "2_parity.json", "2_parity.md",
-                 "3_memory.log", "3_memory.json", "3_memory.md", "7_colocate.json", "7_colocate_handoff.md"):
+                 "3_memory.log", "3_memory.json", "3_memory.md", "7_colocate.json", "7_colocate_handoff.md",
+                 "8_moe.json", "8_MoE_learner_and_engine.md"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     summary = (out / "summary.md").read_text()
     for part in PARTS:
@@ -57,6 +59,7 @@ def test_dry_run_writes_its_files_and_summary(dry):
     assert "| generator prefill | needs CUDA |" in summary  # the memory table, plan side only
     assert "All paths within tolerance: yes." in summary  # the parity table
     assert "| lora | generate | needs CUDA |" in summary and "| full | " in summary  # the handoff's table, CPU side
+    assert "| tiny | rl | transformers `generate` |" in summary  # the MoE part's tables, CPU side
     assert not (out / "5_tiny").exists()
 
 
@@ -130,17 +133,14 @@ def test_fp8_bench_errors_on_a_small_shape():
     assert r["w_rel_fro"] * 0.8 < r["w8a8"] < 2 * r["w_rel_fro"] and r["bf16"] < r["w8a8"] / 5
 
 
-def test_moe_bench_runs_both_paths_and_writes_its_section(tmp_path):
-    """bench/moe.py --quick on the tiny shape (side by side with transformers, from its saved checkpoint) and on the
-    flash path (GLM-4.7-Flash's config, widths shrunk, transformers' copy taken in memory): both models hold the same
-    weights, every learner side and engine ran, and --write puts the table between its markers. No timing asserted."""
-    out = tmp_path / "benchmarks.md"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "moe.py"), "--quick", "--shape", "tiny,flash",
-                        "--json", str(tmp_path / "moe.json"), "--md", str(tmp_path / "moe.md"), "--write", "--out",
-                        str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads((tmp_path / "moe.json").read_text())
+def test_moe_bench_cpu_side(dry, tmp_path):
+    """Part 8's CPU side, bench/moe.py --quick on the tiny shape (side by side with transformers, from its saved
+    checkpoint) and on the flash path (GLM-4.7-Flash's config, widths shrunk, transformers' copy taken in memory):
+    both models hold the same weights, every learner side and engine ran; --write's section from its JSON."""
+    from bench import moe
+    from bench.attention import write_section
+    _, out = dry
+    res = json.loads((out / "8_moe.json").read_text())
     assert set(res["models"]) == {"tiny", "flash"}
     for shape, m in res["models"].items():
         assert m["params"] > 0 and m["logits_rel_err"] < 1e-4, shape  # the same weights on both sides (fp32)
@@ -158,7 +158,9 @@ def test_moe_bench_runs_both_paths_and_writes_its_section(tmp_path):
         for side in ("eager", "hf"):
             x = engine["flash", rows, side]
             assert "error" not in x and x["decode_tokens_per_s"] > 0 and x["prefill_tokens_per_s"] > 0
-    md = (tmp_path / "moe.md").read_text()
+    md = (out / "8_MoE_learner_and_engine.md").read_text()
     assert "| tiny | quick: 16 sequences" in md and "| 4 | TorchEngine, eager |" in md
-    written = out.read_text()
+    assert moe.markdown(res) == md.strip()
+    write_section(str(tmp_path / "b.md"), "moe-cpu", moe.markdown(res))
+    written = (tmp_path / "b.md").read_text()
     assert "<!-- moe-cpu -->" in written and "<!-- /moe-cpu -->" in written and md.strip() in written
