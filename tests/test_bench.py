@@ -164,3 +164,39 @@ def test_moe_bench_cpu_side(dry, tmp_path):
     write_section(str(tmp_path / "b.md"), "moe-cpu", moe.markdown(res))
     written = (tmp_path / "b.md").read_text()
     assert "<!-- moe-cpu -->" in written and "<!-- /moe-cpu -->" in written and md.strip() in written
+
+
+def test_memory_graph_buckets_table():
+    """gpu_memory.py's CUDA-graph diagnostic on a stand-in for graphs.DecodeGraphs (its `memory` is filled only on
+    CUDA): a call that kept the call before's graphs lists only its new buckets, a failed capture says so, and a
+    warm-up that did not raise the process's peak is bounded by the earlier one (<=)."""
+    from types import SimpleNamespace
+
+    from bench import gpu_memory
+    G = 2**30
+
+    def fake(memory):
+        long = dict(dtype=torch.long)
+        return SimpleNamespace(tok=torch.zeros(4, 1, **long), pos=torch.zeros(4, 1, **long),
+                               keys=torch.zeros(4 * 256, **long), valid=torch.zeros(4 * 256, dtype=torch.bool),
+                               logits=torch.zeros(4, 1000, dtype=torch.bfloat16), memory=memory, mempool="pool")
+    first = dict(allocated_before=4 * G, reserved_before=5 * G, peak_before=4 * G,
+                 allocated_after_warmup=4 * G + G // 4, peak_after_warmup=4 * G + G // 2,
+                 allocated_after_capture=4 * G + G // 2, reserved_after_capture=6 * G, kept=True)
+    g = fake({(4, 256): dict(first)})
+    logged = []
+    g.memory[4, 512] = dict(allocated_before=4 * G, reserved_before=6 * G, peak_before=5 * G,  # a capture that raised
+                            allocated_after_warmup=4 * G, peak_after_warmup=5 * G, kept=False)
+    out = gpu_memory.graph_memory([("prefill call", fake({(4, 256): first})), ("decode call", g)], logged.append)
+    assert [(r["call"], r["rows"], r["keys"]) for r in out["buckets"]] == [
+        ("prefill call", 4, 256), ("decode call", 4, 256), ("decode call", 4, 512)]
+    buffers = 8 * 4 + 8 * 4 + 8 * 1024 + 1024 + 2 * 4000
+    assert [c["buffers"] for c in out["calls"]] == [buffers, buffers]
+    md = gpu_memory.graphs_markdown(out)
+    assert "| prefill call | 4 x 256 | 4.000 | 0.500 | 0.250 | 0.250 | 1.000 | True |" in md
+    assert "| decode call | 4 x 512 | 4.000 | <= 1.000 | 0.000 | failed |  | False |" in md
+    # the same graphs in both calls: their buckets once, the second call marked as keeping them
+    again = gpu_memory.graph_memory([("prefill call", g), ("decode call", g)], logged.append)
+    assert len(again["buckets"]) == 2 and again["calls"][1]["same_as_before"]
+    assert "(the call before's graphs, kept)" in gpu_memory.graphs_markdown(again)
+    assert gpu_memory.graph_memory([("decode call", None)], logged.append)["calls"][0]["buffers"] is None
