@@ -20,6 +20,9 @@ Each of them is described by an `AttnMask`, built once per forward and shared by
 
 Checkpoints are Hugging Face directories (config.json + *.safetensors, sharded or not), read and
 written with transformers' parameter names, so a saved model loads in `Glm4ForCausalLM` and back.
+
+GLM-4.7-Flash and GLM-5 (Multi-head Latent Attention + Mixture of Experts, transformers' glm4_moe_lite and
+glm_moe_dsa) live in the last section of this file, beside this dense path, which never reads them.
 """
 import json
 import os
@@ -646,6 +649,8 @@ class GLM(nn.Module):
             raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face model directory)")
         with open(cfg_path) as f:
             cfg = GLMConfig.from_hf(json.load(f))
+        if dsa is False and cfg.model_type == "glm_moe_dsa":  # GLM-5 without its indexers: GLM-4.7-Flash's model
+            cfg = replace(cfg, model_type="glm4_moe_lite")
         if dsa is not None:
             cfg = replace(cfg, dsa=dsa or None)  # re-validates; a dict becomes a DSAConfig
         dtype = dtype or (torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32)

@@ -630,6 +630,21 @@ def test_moe_config_roundtrip_and_init_dicts(moe_pair):
         assert cfg.dsa.layer_kinds(3) == "".join("F" if t == "full" else "S" for t in hf.config.indexer_types)
 
 
+def test_glm5_loads_without_dsa_as_glm4_moe_lite(moe_pair, tmp_path, capsys):
+    """dsa=False on a GLM-5 checkpoint: its indexers dropped (one line), the rest is GLM-4.7-Flash's model,
+    equal to the DSA model wherever top-k covers every key, and it saves as glm4_moe_lite."""
+    _, ours, path = moe_pair
+    if ours.cfg.model_type != "glm_moe_dsa":
+        pytest.skip("a GLM-5 checkpoint")
+    dense = GLM.from_pretrained(path, dsa=False).eval()
+    assert dense.cfg.model_type == "glm4_moe_lite" and dense.cfg.dsa is None and "ignored" in capsys.readouterr().out
+    ids = torch.randint(0, 97, (2, 6))  # top-k >= 6 keys: DSA is exactly dense attention
+    with torch.no_grad():
+        assert torch.equal(dense(ids), ours(ids))
+    dense.save_pretrained(str(tmp_path / "lite"))
+    assert GLMConfig.from_hf(json.load(open(tmp_path / "lite" / "config.json"))) == dense.cfg
+
+
 def test_moe_config_from_init_kwargs_and_errors():
     """A fresh MoE model from model.init-style kwargs (nested dicts), the family's defaults, and clear errors."""
     init = dict(model_type="glm_moe_dsa", vocab_size=31, hidden_size=16, intermediate_size=32, num_layers=3,
