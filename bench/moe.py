@@ -126,6 +126,10 @@ def gib(b):
     return "" if b is None else f"{b / GiB:.2f}"
 
 
+def fmt(err):
+    return f"{err:.2e}" if isinstance(err, float) else str(err)
+
+
 # ----------------------------------------------------------------------------- models
 
 def arch_of(shape, layers, quick):
@@ -488,7 +492,7 @@ def side_by_side(shape, device, args, result):
         err = agreement(ours, hf, arch, device)
         n = sum(p.numel() for p in ours.parameters())
         result["models"][shape] = dict(params=n, logits_rel_err=err, config=arch.to_hf())
-        log(f"{shape}: {n / 1e6:.2f}M parameters; fp32 logits ours vs transformers: relative error {err}")
+        log(f"{shape}: {n / 1e6:.2f}M parameters; fp32 logits ours vs transformers: relative error {fmt(err)}")
         if args.part in ("all", "learner"):
             for b in (["quick"] if args.quick else LEARNER_RUNS[shape]):
                 samples = make_samples(BATCHES[b], arch.vocab_size)
@@ -510,7 +514,7 @@ def flash(device, args, result):
     err = agreement(ours, hf, arch, device) if hf is not None else None
     result["models"]["flash"] = dict(params=n, logits_rel_err=err, config=arch.to_hf())
     log(f"flash, {arch.num_layers} layers: {n / 1e6:,.1f}M parameters"
-        + (f"; fp32 logits ours vs transformers: relative error {err}" if err is not None else ""))
+        + (f"; fp32 logits ours vs transformers: relative error {fmt(err)}" if err is not None else ""))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         gen = GLM(arch).cast_(dtype)  # the generator's copy, as engine.make_engine (FP32_PARAMS stay fp32)
