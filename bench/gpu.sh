@@ -7,21 +7,30 @@
 #   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
 #   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
 #
-# Parts (their timeouts: T1 ... T7, T4a ... T4e; all of them within BUDGET seconds from the start):
+# Parts, in the order they run (their timeouts: T1 ... T8, T4a ... T4e; all of them within BUDGET seconds from the
+# start: what has not run on a GPU yet comes first, so a part the budget cuts is one measured before):
 #   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
-#       CUDA branch when there is one, found in tests/ by name, plus the sm_90 compile of the Triton kernels. They
-#       are the only tests that run dsa_triton's kernels compiled on a GPU: tests/test_dsa_triton.py runs them
-#       in Triton's interpreter on CPU tensors, on a GPU machine too.
+#       CUDA branch when there is one, found in tests/ by name (the MoE model's and engine's CUDA tests too, by the
+#       same rule), plus the sm_90 compile of the Triton kernels. They are the only tests that run dsa_triton's
+#       kernels compiled on a GPU: tests/test_dsa_triton.py runs them in Triton's interpreter on CPU tensors, on a
+#       GPU machine too.
+#   8   bench/moe.py --shape flash: GLM-4.7-Flash (MLA + 64-expert MoE) cut to 4 layers, random weights: learner
+#       tokens/s of train.rl_step (routes replayed, and fresh) against transformers' Glm4MoeLiteForCausalLM forward +
+#       backward + AdamW on the same weights, TorchEngine's prefill and decode tokens/s (CUDA graphs and eager)
+#       against transformers' generate, each phase's peak memory. Dry mode runs its CPU side (--quick: the tiny MoE
+#       beside transformers, and the flash path with its widths shrunk)
+#   3   bench/gpu_memory.py: each phase's peak memory on a 4-layer cut of GLM-Z1-9B beside memory.memory_plan, and
+#       the CUDA-graph pool bucket by bucket (graphs.DecodeGraphs.memory: allocated before and after each capture,
+#       and the eager warm-up's peak), where the generator's decode exceeded its plan
 #   2   bench/parity.py: teacher-forced logprobs of the learner (bf16 autocast), the generator's prefill (bf16
 #       weights) and TorchEngine (CUDA graphs) against a float64 reference; tiny and 9B-width, dense and DSA
-#   3   bench/gpu_memory.py: each phase's peak memory on a 4-layer cut of GLM-Z1-9B beside memory.memory_plan
+#   7   bench/colocate.py: the co-located handoff (train.colocate) on a 4-layer cut of GLM-Z1-9B, LoRA and full: each
+#       handoff's seconds, what the first generate after one costs (a new KV pool, CUDA graphs captured again) beside
+#       one with no handoff before it, and each phase's peak memory beside the plan's (run after part 3)
 #   4   bench/scale.py, with and without the Triton kernels: 4a/4b dense, 4c/4d DSA (sequences past top-k);
 #       4e dense with an fp8 generator (rollout.quantization: fp8): its decode tokens/s beside 4a's
 #   5   the tiny default run on one GPU (configs/tiny_cpu.yaml), its final held-out accuracy against the README's
 #       CPU seeds
-#   7   bench/colocate.py: the co-located handoff (train.colocate) on a 4-layer cut of GLM-Z1-9B, LoRA and full: each
-#       handoff's seconds, what the first generate after one costs (a new KV pool, CUDA graphs captured again) beside
-#       one with no handoff before it, and each phase's peak memory beside the plan's (run after part 3)
 #   6   bench/fp8.py: FP8 generator weights at GLM-Z1-9B's shapes: quantization error, quantize time, and the fp8
 #       GEMM (torch's scaled_mm, fp8.py's Triton kernel) against its CPU reference and against bf16 in speed (last,
 #       so the budget may cut it: rerun with --parts 6)
@@ -315,7 +324,7 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------------ the parts
-say "plan: parts 1 (GPU-only tests), 2 (parity), 3 (memory), 7 (colocate handoff), 4a-4e (speed), 5 (tiny run), 6 (fp8); budget ${BUDGET}s"
+say "plan: parts 1 (GPU-only tests), 8 (MoE), 3 (memory), 2 (parity), 7 (colocate handoff), 4a-4e (speed), 5 (tiny run), 6 (fp8); budget ${BUDGET}s"
 if [[ $DRY == 1 ]]; then
     say "part 1 would run: ${GPU_TESTS:-none found}"
 fi
@@ -332,17 +341,22 @@ run_part 1 "GPU-only tests" 75 1 "$TESTS_CMD" x_tests
 
 if [[ $DRY == 1 ]]; then
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"  # tiny CPU work: one thread each, not a fight over shared cores
-    run_part 2 "parity" 90 0 \
-        "$PY bench/parity.py --device cpu --shapes tiny --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md
+    run_part 8 "MoE learner and engine" 120 0 \
+        "$PY bench/moe.py --quick --shape tiny,flash --json $OUT/8_moe.json --md $OUT/8_MoE_learner_and_engine.md" x_md
     run_part 3 "memory" 75 0 \
         "$PY bench/gpu_memory.py --dry --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
+    run_part 2 "parity" 90 0 \
+        "$PY bench/parity.py --device cpu --shapes tiny --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md
     run_part 7 "colocate handoff" 60 0 \
         "$PY bench/colocate.py --device cpu --small --steps 2 --json $OUT/7_colocate.json --md $OUT/7_colocate_handoff.md" x_md
 else
-    run_part 2 "parity" 120 1 \
-        "$PY bench/parity.py --device cuda --ref-device cpu --shapes tiny,9b --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md
+    # (GLM-4.7-Flash's 4-layer cut: 2.5B parameters; two fp32 learners one after the other, 55 GiB at most)
+    run_part 8 "MoE learner and engine" 210 1 \
+        "$PY bench/moe.py --device cuda --shape flash --json $OUT/8_moe.json --md $OUT/8_MoE_learner_and_engine.md" x_md
     run_part 3 "memory" 90 1 \
         "$PY bench/gpu_memory.py --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
+    run_part 2 "parity" 120 1 \
+        "$PY bench/parity.py --device cuda --ref-device cpu --shapes tiny,9b --json $OUT/2_parity.json --md $OUT/2_parity.md" x_md
     run_part 7 "colocate handoff" 90 1 \
         "$PY bench/colocate.py --device cuda --layers 4 --json $OUT/7_colocate.json --md $OUT/7_colocate_handoff.md" x_md
 fi

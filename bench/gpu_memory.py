@@ -27,6 +27,9 @@ plan's "CUDA context, fragmentation" item stands for, so that item is left out o
                      step allocates the AdamW state; the second is the steady state
   publish            engine.update_weights(parallel.full_weights(learner)), as after every RL step
 The learner's numbers are net of what the generator keeps resident (its weights, KV pool and graphs).
+After the generator's phases, each call's CUDA graphs are listed bucket by bucket (graphs.DecodeGraphs.memory:
+the allocator's counters before and after each bucket's eager warm-up and capture, and its reserved growth) with
+their static buffers: where the decode phase's memory above the plan (the first GPU run: 1.10x) goes.
 On one process parallel_learner returns the bare model (no FSDP/DDP wrapper), so the plan is asked for
 train.parallel (fsdp) over 1 GPU, as `--dry-run` with one pair asks it.
 """
@@ -113,8 +116,38 @@ def markdown(result):
         for item, b in items:
             counted = result["counted"].get(f"{side}: {item}")
             lines.append(f"| {side}: {item} | {b / GiB:.2f} | {'' if counted is None else f'{counted / GiB:.2f}'} |")
+    if result.get("graphs"):
+        lines += ["", graphs_markdown(result["graphs"])]
     if result.get("note"):
         lines += ["", result["note"]]
+    return "\n".join(lines)
+
+
+def graphs_markdown(graphs):
+    """The CUDA-graph buckets' memory (graphs.DecodeGraphs.memory, as graph_memory returns it), in GiB."""
+    def g(b):
+        return f"{b / GiB:.3f}"
+    lines = ["CUDA-graph buckets (graphs.DecodeGraphs.memory; allocator counters around each capture, GiB): "
+             "allocated before the eager warm-up; the warm-up's peak above that (where it raised the process's peak; "
+             "else at most the earlier peak's excess, marked <=); allocated left by the warm-up and by the capture; "
+             "reserved growth over both.", "",
+             "| call | rows x keys | allocated before | warm-up peak above | left by warm-up | left by capture | "
+             "reserved growth | kept |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in graphs["buckets"]:
+        before = r["allocated_before"]
+        rose = r["peak_after_warmup"] > r["peak_before"]
+        peak = g(r["peak_after_warmup"] - before) if rose else "<= " + g(r["peak_before"] - before)
+        warm = r["allocated_after_warmup"] - before
+        cap = ("failed" if "allocated_after_capture" not in r
+               else g(r["allocated_after_capture"] - r["allocated_after_warmup"]))
+        res = g(r["reserved_after_capture"] - r["reserved_before"]) if "reserved_after_capture" in r else ""
+        lines.append(f"| {r['call']} | {r['rows']} x {r['keys']} | {g(before)} | {peak} | {g(warm)} | {cap} | {res} | "
+                     f"{r.get('kept', '')} |")
+    calls = [f"{c['call']}: none (eager)" if c["buffers"] is None else
+             f"{c['call']}: {g(c['buffers'])} GiB, {c['buckets']} bucket(s)"
+             + (" (the call before's graphs, kept)" if c["same_as_before"] else "") for c in graphs["calls"]]
+    lines += ["", "Each call's DecodeGraphs: static buffers (tokens, positions, key slots, masks, [max_batch, vocab] "
+                  "logits) and buckets captured: " + "; ".join(calls) + "."]
     return "\n".join(lines)
 
 
@@ -179,6 +212,7 @@ def measure(args, arch, plan, log):
         sampling = SamplingParams(temperature=1.0, max_new_tokens=1, stop_token_ids=())
         with Phase("generator prefill", base):
             engine.generate(prompts, sampling, seed=0)
+        calls = [("prefill call", engine.graphs)]  # (a later call with longer rows gets a new pool and new graphs)
         pool = engine.pool
         pool_bytes = sum(t.numel() * t.element_size() for t in vars(pool).values() if isinstance(t, torch.Tensor))
         pool_bytes += sum(t.numel() * t.element_size() for v in vars(pool).values() if isinstance(v, (list, tuple))
@@ -192,6 +226,8 @@ def measure(args, arch, plan, log):
         assert all(len(c.token_ids) == args.new_tokens for c in out)
         if engine.graphs is not None and engine.graphs.failed:
             log("[memory] warning: CUDA graphs fell back to eager decode")
+        calls.append(("decode call", engine.graphs))
+        graphs = graph_memory(calls, log)
 
         base = torch.cuda.memory_allocated(dev)  # the generator's resident memory: the learner's numbers are net of it
         with Phase("learner load", base):
@@ -222,7 +258,34 @@ def measure(args, arch, plan, log):
             engine.update_weights(parallel.full_weights(model), 1)
     finally:
         shutil.rmtree(ckpt, ignore_errors=True)
-    return measured, counted
+    return measured, counted, graphs
+
+
+def graph_memory(calls, log):
+    """Each call's DecodeGraphs.memory (bytes around each bucket's capture) as rows, logged as they are read, with
+    the static buffers every bucket shares (inputs, key slots, masks, logits) and whether the call kept the graphs of
+    the call before (a call with longer rows gets a new pool and new graphs); a bucket is listed once."""
+    rows, seen, listed, summary = [], [], set(), []
+    for call, g in calls:
+        if g is None:
+            log(f"[memory] graphs, {call}: none (eager decode)")
+            summary.append({"call": call, "buffers": None, "same_as_before": False, "buckets": 0})
+            continue
+        buffers = sum(t.numel() * t.element_size() for t in (g.tok, g.pos, g.keys, g.valid, g.logits))
+        same = any(g is other for other in seen)
+        seen.append(g)
+        pool = "kept" if g.mempool is not None else "none"
+        summary.append({"call": call, "buffers": buffers, "same_as_before": same, "buckets": len(g.memory)})
+        log(f"[memory] graphs, {call}: {len(g.memory)} bucket(s){' (the graphs of the call before)' if same else ''}, "
+            f"static buffers {buffers / GiB:.3f} GiB, graph pool {pool}")
+        for (Bg, Lg), m in g.memory.items():
+            if (id(g), Bg, Lg) in listed:
+                continue
+            listed.add((id(g), Bg, Lg))
+            rows.append({"call": call, "rows": Bg, "keys": Lg, **m})
+            figures = [f"{k} {v / GiB:.3f} GiB" if type(v) is int else f"{k} {v}" for k, v in m.items()]
+            log(f"[memory]   {Bg:>4} rows x {Lg:>5} keys: " + ", ".join(figures))
+    return {"buckets": rows, "calls": summary}
 
 
 def main(argv=None):
@@ -265,7 +328,7 @@ def main(argv=None):
     else:
         result["device"] = torch.cuda.get_device_name(torch.device(args.device))
         print(f"[memory] measuring on {args.device} ({result['device']}), torch {torch.__version__}", flush=True)
-        measured, result["counted"] = measure(args, arch, plan, lambda m: print(m, flush=True))
+        measured, result["counted"], result["graphs"] = measure(args, arch, plan, lambda m: print(m, flush=True))
         result["note"] = (f"Measured on {result['device']} with torch {torch.__version__}: torch.cuda.max_memory_allocated "
                           "per phase (the learner's net of the generator's resident memory); plan totals without the "
                           f"{OVERHEAD / GiB:.0f} GiB CUDA context / fragmentation item.")

@@ -62,7 +62,12 @@ class DecodeGraphs:
     run on a stream of the engine's GPU and their errors are thread-local: the learner's thread beside it
     keeps its own GPU (torch.cuda.graph would also empty every device's allocator cache). Weight updates
     copy in place, so graphs stay valid; a new pool (a call with longer sequences) or max_batch gets new
-    graphs. With capture=False (a CPU, in tests) the same padded forward runs eagerly."""
+    graphs. With capture=False (a CPU, in tests) the same padded forward runs eagerly.
+
+    `memory` is a diagnostic for the memory plan (bench/gpu_memory.py prints it): per bucket (Bg, Lg) captured,
+    the allocator's figures in bytes around it, read from its counters without a sync or a reset: allocated and
+    reserved before the eager warm-up, allocated after it, the process's peak allocated before and after it (the
+    warm-up's own peak where that rose), allocated and reserved after the capture, and whether the bucket was kept."""
 
     def __init__(self, model: GLM, pool: PagedKVCache, max_batch: int, max_keys: int, capture: bool):
         self.model, self.pool, self.capture, self.max_keys = model, pool, capture, max_keys
@@ -74,6 +79,7 @@ class DecodeGraphs:
         self.valid = torch.zeros(max_batch * max_keys, dtype=torch.bool, device=dev)
         self.logits = torch.zeros(max_batch, model.cfg.vocab_size, dtype=pool.k[0].dtype, device=dev)
         self.graphs, self.mempool, self.failed = {}, None, False
+        self.memory = {}  # (Bg, Lg) -> bytes around its capture (the docstring's last paragraph)
 
     def bucket(self, B: int, Lk: int):
         """The (rows, keys) shape a step of B rows and Lk keys runs as."""
@@ -112,9 +118,11 @@ class DecodeGraphs:
     def _capture(self, Bg, Lg):
         """Warm up, capture on a stream of our own (left whatever happens: a failed capture must not leave
         this thread on it), replay, and check the replay against the warm-up."""
-        self._forward(Bg, Lg)  # warm-up, and the reference this bucket's replay must reproduce
-        eager = self.logits[:Bg].clone()
         dev = self.logits.device
+        mem = self.memory[Bg, Lg] = _allocated(dev, "before", reserved=True, peak=True)
+        self._forward(Bg, Lg)  # warm-up, and the reference this bucket's replay must reproduce
+        mem |= _allocated(dev, "after_warmup", peak=True)
+        eager = self.logits[:Bg].clone()
         try:
             graph, main = torch.cuda.CUDAGraph(), torch.cuda.current_stream(dev)
             side = torch.cuda.Stream(dev)
@@ -126,6 +134,7 @@ class DecodeGraphs:
                 finally:
                     graph.capture_end()
             main.wait_stream(side)
+            mem |= _allocated(dev, "after_capture", reserved=True)
             self.mempool = graph.pool()
             graph.replay()
             got = self.logits[:Bg]
@@ -134,6 +143,7 @@ class DecodeGraphs:
             why = f"its replay's logits differ from eager by up to {(got.float() - eager.float()).abs().max().item():.3g}"
         except RuntimeError as e:
             same, why = False, f"{type(e).__name__}: {e}".splitlines()[0]
+        mem["kept"] = bool(same)
         if same:
             self.graphs[Bg, Lg] = graph
             return
@@ -143,3 +153,15 @@ class DecodeGraphs:
         self._forward(Bg, Lg)
         warnings.warn(f"rollout.cuda_graphs: capturing the decode of {Bg} rows x {Lg} keys failed ({why}); "
                       "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
+
+
+def _allocated(dev, when: str, reserved=False, peak=False) -> dict:
+    """The CUDA caching allocator's counters on dev, named for DecodeGraphs.memory (no sync, no reset); {} off CUDA."""
+    if dev.type != "cuda":
+        return {}
+    out = {f"allocated_{when}": torch.cuda.memory_allocated(dev)}
+    if reserved:
+        out[f"reserved_{when}"] = torch.cuda.memory_reserved(dev)
+    if peak:
+        out[f"peak_{when}"] = torch.cuda.max_memory_allocated(dev)
+    return out

@@ -1,6 +1,7 @@
 """bench/gpu.sh in dry mode (what a CPU machine runs of it) and the CPU sides of its scripts: bench/parity.py
-on tiny shapes in bf16, bench/gpu_memory.py's plan, bench/fp8.py's error table on one small shape. The CUDA parts are only
-planned here; a GPU machine runs them (`bash bench/gpu.sh OUTDIR`). No timing is asserted."""
+on tiny shapes in bf16, bench/gpu_memory.py's plan, bench/moe.py's quick run, bench/fp8.py's error table on one small
+shape. The CUDA parts are only planned here; a GPU machine runs them (`bash bench/gpu.sh OUTDIR`). No timing is
+asserted."""
 import copy
 import json
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6", "7"]
+PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6", "7", "8"]
 CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "5", "6"]
 
 
@@ -21,7 +22,7 @@ def dry(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_sh") / "out"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHON": sys.executable}
     r = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry", str(out)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=180)
+                       capture_output=True, text=True, timeout=300)
     return r, out
 
 
@@ -37,7 +38,7 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
         assert f"---- part {part}:" in r.stdout  # planned: its command and timeout printed
     for part in CUDA_PARTS:
         assert f"SKIP part {part} (" in r.stdout and "needs CUDA" in r.stdout
-    assert status(out) == {p: "ok" if p in ("2", "3", "7") else "skipped (needs CUDA)" for p in PARTS}
+    assert status(out) == {p: "ok" if p in ("2", "3", "7", "8") else "skipped (needs CUDA)" for p in PARTS}
     # part 1's tests were found in tests/ (a skipif on CUDA, or a CUDA branch), and are named, not the suite
     assert "tests/test_engine.py::test_cuda_graph_replays_give_the_eager_tokens" in r.stdout
     assert "tests/test_model.py::test_cuda_attention_never_falls_back_to_the_math_kernel" in r.stdout
@@ -48,7 +49,8 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
 def test_dry_run_writes_its_files_and_summary(dry):
     _, out = dry
     for name in ("summary.md", "status.tsv", "0_env.log", "2_parity.log", "2_parity.json", "2_parity.md",
-                 "3_memory.log", "3_memory.json", "3_memory.md", "7_colocate.json", "7_colocate_handoff.md"):
+                 "3_memory.log", "3_memory.json", "3_memory.md", "7_colocate.json", "7_colocate_handoff.md",
+                 "8_moe.json", "8_MoE_learner_and_engine.md"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     summary = (out / "summary.md").read_text()
     for part in PARTS:
@@ -57,6 +59,7 @@ def test_dry_run_writes_its_files_and_summary(dry):
     assert "| generator prefill | needs CUDA |" in summary  # the memory table, plan side only
     assert "All paths within tolerance: yes." in summary  # the parity table
     assert "| lora | generate | needs CUDA |" in summary and "| full | " in summary  # the handoff's table, CPU side
+    assert "| tiny | rl | transformers `generate` |" in summary  # the MoE part's tables, CPU side
     assert not (out / "5_tiny").exists()
 
 
@@ -128,3 +131,72 @@ def test_fp8_bench_errors_on_a_small_shape():
     (r,) = bench_fp8.errors({"down": (200, 300)}, torch.device("cpu"), rows=16, checkpoint=None, log=lambda m: None)
     assert r["shape"] == [200, 300] and 0.02 < r["w_rel_fro"] < 0.035
     assert r["w_rel_fro"] * 0.8 < r["w8a8"] < 2 * r["w_rel_fro"] and r["bf16"] < r["w8a8"] / 5
+
+
+def test_moe_bench_cpu_side(dry, tmp_path):
+    """Part 8's CPU side, bench/moe.py --quick on the tiny shape (side by side with transformers, from its saved
+    checkpoint) and on the flash path (GLM-4.7-Flash's config, widths shrunk, transformers' copy taken in memory):
+    both models hold the same weights, every learner side and engine ran; --write's section from its JSON."""
+    from bench import moe
+    from bench.attention import write_section
+    _, out = dry
+    res = json.loads((out / "8_moe.json").read_text())
+    assert set(res["models"]) == {"tiny", "flash"}
+    for shape, m in res["models"].items():
+        assert m["params"] > 0 and m["logits_rel_err"] < 1e-4, shape  # the same weights on both sides (fp32)
+    assert res["models"]["tiny"]["config"]["model_type"] == "glm_moe_dsa"
+    assert res["models"]["flash"]["config"]["model_type"] == "glm4_moe_lite"
+    for shape in ("tiny", "flash"):
+        rows = [x for x in res["learner"] if x["shape"] == shape]
+        assert [x["side"] for x in rows] == ["rl_step, routes replayed", "rl_step, fresh routes", "transformers"]
+        assert len({x["tokens"] for x in rows}) == 1 and all(x["tokens_per_s"] > 0 for x in rows)
+    engine = {(x["shape"], x.get("workload", x.get("rows")), x["side"]): x for x in res["engine"]}
+    for workload in ("uniform", "rl"):
+        for side in ("TorchEngine", "transformers `generate`"):
+            assert engine["tiny", workload, side]["tokens_per_s"] > 0
+    for rows in (2, 4):  # no CUDA graphs on a CPU: eager and transformers
+        for side in ("eager", "hf"):
+            x = engine["flash", rows, side]
+            assert "error" not in x and x["decode_tokens_per_s"] > 0 and x["prefill_tokens_per_s"] > 0
+    md = (out / "8_MoE_learner_and_engine.md").read_text()
+    assert "| tiny | quick: 16 sequences" in md and "| 4 | TorchEngine, eager |" in md
+    assert moe.markdown(res) == md.strip()
+    write_section(str(tmp_path / "b.md"), "moe-cpu", moe.markdown(res))
+    written = (tmp_path / "b.md").read_text()
+    assert "<!-- moe-cpu -->" in written and "<!-- /moe-cpu -->" in written and md.strip() in written
+
+
+def test_memory_graph_buckets_table():
+    """gpu_memory.py's CUDA-graph diagnostic on a stand-in for graphs.DecodeGraphs (its `memory` is filled only on
+    CUDA): a call that kept the call before's graphs lists only its new buckets, a failed capture says so, and a
+    warm-up that did not raise the process's peak is bounded by the earlier one (<=)."""
+    from types import SimpleNamespace
+
+    from bench import gpu_memory
+    G = 2**30
+
+    def fake(memory):
+        long = dict(dtype=torch.long)
+        return SimpleNamespace(tok=torch.zeros(4, 1, **long), pos=torch.zeros(4, 1, **long),
+                               keys=torch.zeros(4 * 256, **long), valid=torch.zeros(4 * 256, dtype=torch.bool),
+                               logits=torch.zeros(4, 1000, dtype=torch.bfloat16), memory=memory, mempool="pool")
+    first = dict(allocated_before=4 * G, reserved_before=5 * G, peak_before=4 * G,
+                 allocated_after_warmup=4 * G + G // 4, peak_after_warmup=4 * G + G // 2,
+                 allocated_after_capture=4 * G + G // 2, reserved_after_capture=6 * G, kept=True)
+    g = fake({(4, 256): dict(first)})
+    logged = []
+    g.memory[4, 512] = dict(allocated_before=4 * G, reserved_before=6 * G, peak_before=5 * G,  # a capture that raised
+                            allocated_after_warmup=4 * G, peak_after_warmup=5 * G, kept=False)
+    out = gpu_memory.graph_memory([("prefill call", fake({(4, 256): first})), ("decode call", g)], logged.append)
+    assert [(r["call"], r["rows"], r["keys"]) for r in out["buckets"]] == [
+        ("prefill call", 4, 256), ("decode call", 4, 256), ("decode call", 4, 512)]
+    buffers = 8 * 4 + 8 * 4 + 8 * 1024 + 1024 + 2 * 4000
+    assert [c["buffers"] for c in out["calls"]] == [buffers, buffers]
+    md = gpu_memory.graphs_markdown(out)
+    assert "| prefill call | 4 x 256 | 4.000 | 0.500 | 0.250 | 0.250 | 1.000 | True |" in md
+    assert "| decode call | 4 x 512 | 4.000 | <= 1.000 | 0.000 | failed |  | False |" in md
+    # the same graphs in both calls: their buckets once, the second call marked as keeping them
+    again = gpu_memory.graph_memory([("prefill call", g), ("decode call", g)], logged.append)
+    assert len(again["buckets"]) == 2 and again["calls"][1]["same_as_before"]
+    assert "(the call before's graphs, kept)" in gpu_memory.graphs_markdown(again)
+    assert gpu_memory.graph_memory([("decode call", None)], logged.append)["calls"][0]["buffers"] is None
