@@ -366,15 +366,6 @@ def learner_rows(label, what, samples, sides):
 
 # ----------------------------------------------------------------------------- 2. engine
 
-def ensure_pool_routes():
-    """The engine reads the routes each MoE layer wrote beside the KV (model.PagedKVCache.routes). A model.py
-    without them yet gets an empty list on the class, so that the engine hands completions no routes (said in the
-    table) instead of failing; with them, nothing changes."""
-    tiny = arch_of("tiny", 0, True)
-    if not hasattr(model_py.PagedKVCache(tiny, 1, model_py.BLOCK_SIZE), "routes"):
-        model_py.PagedKVCache.routes = ()
-
-
 def carries_routes(gen) -> bool:
     """Whether the engine's completions on this model carry their routes (one short call)."""
     out = TorchEngine(gen, max_batch=1).generate([[3, 4, 5]], SamplingParams(temperature=1.0, max_new_tokens=2), seed=0)
@@ -651,7 +642,6 @@ def main(argv=None):
     if args.samples % 8:
         ap.error("--samples: whole groups of 8")
 
-    ensure_pool_routes()
     args.routes = []  # per engine model: whether its completions carried routes
     import transformers
     command = "python bench/moe.py " + " ".join(sys.argv[1:] if argv is None else argv)
