@@ -20,6 +20,9 @@ Each of them is described by an `AttnMask`, built once per forward and shared by
 
 Checkpoints are Hugging Face directories (config.json + *.safetensors, sharded or not), read and
 written with transformers' parameter names, so a saved model loads in `Glm4ForCausalLM` and back.
+
+GLM-4.7-Flash and GLM-5 (Multi-head Latent Attention + Mixture of Experts, transformers' glm4_moe_lite and
+glm_moe_dsa) live in the last section of this file, beside this dense path, which never reads them.
 """
 import json
 import os
@@ -282,12 +285,13 @@ class Packed:
 class KVCache:
     """Preallocated per-layer keys/values [B, S, Hkv, D] (and indexer keys [B, S, d_I] on DSA `F`
     layers). Every row writes its new tokens into the same slots; padding slots are masked out by
-    `key_mask`, so left- and right-padded batches both work."""
+    `key_mask`, so left- and right-padded batches both work. (MLA models, at the end of this file: `k` holds
+    each token's latent [B, S, cfg.kv_width] and `v` is empty.)"""
 
     def __init__(self, cfg: GLMConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim) if cfg.mla is None else (batch, max_len, cfg.kv_width)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers if cfg.mla is None else 0)]
         kinds = cfg.dsa.layer_kinds(cfg.num_layers) if cfg.dsa else "." * cfg.num_layers
         self.index_k = [torch.zeros(batch, max_len, cfg.dsa.head_dim, device=device, dtype=dtype)
                         if kind == "F" else None for kind in kinds]
@@ -317,12 +321,14 @@ class PagedKVCache:
         row's slots in position order, left-padded (`key_valid` False there), its new token last, which
         Attention.paged_decode reads (so DSA's ties follow positions, as in the learner, not slots).
     One block more than num_blocks is never handed out: its first slot, `scratch`, is where the padding
-    rows of a CUDA-graph bucket write and read."""
+    rows of a CUDA-graph bucket write and read. (MLA models, at the end of this file: `k` holds each token's
+    latent [N, cfg.kv_width], `v` is empty.)"""
 
     def __init__(self, cfg: GLMConfig, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
         N = (num_blocks + 1) * block_size
-        self.k = [torch.zeros(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(N, cfg.num_kv_heads, cfg.head_dim, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        shape = (N, cfg.num_kv_heads, cfg.head_dim) if cfg.mla is None else (N, cfg.kv_width)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers if cfg.mla is None else 0)]
         kinds = cfg.dsa.layer_kinds(cfg.num_layers) if cfg.dsa else "." * cfg.num_layers
         self.index_k = [torch.zeros(N, cfg.dsa.head_dim, device=device, dtype=dtype) if kind == "F" else None
                         for kind in kinds]
@@ -643,6 +649,8 @@ class GLM(nn.Module):
             raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face model directory)")
         with open(cfg_path) as f:
             cfg = GLMConfig.from_hf(json.load(f))
+        if dsa is False and cfg.model_type == "glm_moe_dsa":  # GLM-5 without its indexers: GLM-4.7-Flash's model
+            cfg = replace(cfg, model_type="glm4_moe_lite")
         if dsa is not None:
             cfg = replace(cfg, dsa=dsa or None)  # re-validates; a dict becomes a DSAConfig
         dtype = dtype or (torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32)
@@ -1202,6 +1210,40 @@ class LatentAttention(Attention):
         k, v = self.expand(latent)
         out, selected, kl = self.attend_rows(*_same_width(q, k, v), index, mask, selected, indexer_loss)
         return self.project(out[..., :self.cfg.mla.v_head_dim], keep), selected, kl
+
+    def paged_decode(self, x, q, latent, q_resid, rope, cache: PagedKVCache, selected):
+        """Attention.paged_decode for MLA (a decode step, and the engine's prefix extension, one row per new
+        token): q [B, 1, H, qk_head_dim], latent [B, 1, kv_lora_rank + qk_rope_head_dim] -> (out [B, 1, H,
+        v_head_dim], selected). The pool holds latents only, and they are never expanded: kv_b_proj's key half
+        W_UK [H, nope, r] is absorbed into the query (q_nope . (W_UK c) = (W_UK^T q_nope) . c), so each head
+        scores [W_UK^T q_nope, q_rope] against the row's [c, k_rope] latents, one shared "key head" of
+        r + dr dims, and the value half W_UV [H, v, r] applies after the softmax-weighted sum of the c's. Per
+        key that reads r + dr values instead of H (nope + dr + v) (576 against 20 x 704 for GLM-4.7-Flash)."""
+        keys, valid = cache.keys, cache.key_valid  # [B, Lk]
+        B, Lk = keys.shape
+        m, H = self.cfg.mla, self.cfg.num_heads
+        cache.write(cache.k, self.layer, latent)
+        if self.indexer is not None:  # as Attention.paged_decode: top-k among the row's keys in position order
+            iq, ik, iw = self.index(x, rope, None, q_resid)
+            cache.write(cache.index_k, self.layer, ik)
+            selected = None  # top-k >= keys: DSA selects every key, as in the learner
+            if self.cfg.dsa.topk < Lk:
+                last = AttnMask(torch.full((1,), Lk - 1, device=keys.device), Lk, valid)
+                row_ik = cache.index_k[self.layer].index_select(0, keys.flatten()).view(B, Lk, -1)
+                idx, ok = dsa.select_topk(iq, iw, row_ik, last, self.cfg.dsa.topk)  # [B, 1, K]
+                selected = keys.gather(1, idx[:, 0]), ok[:, 0]
+        idx, ok = selected if self.kind is not None and selected is not None else (keys, valid)
+        K = idx.shape[1]
+        lat = cache.k[self.layer].index_select(0, idx.flatten()).view(B, K, -1)  # [B, K, r + dr]
+        w = self.kv_b_proj.weight.view(H, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        q_nope, q_rope = q[:, 0].split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)  # [B, H, nope], [B, H, dr]
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w[:, :m.qk_nope_head_dim].to(q.dtype))  # [B, H, r]
+        qa = torch.cat([q_lat, q_rope.to(q_lat.dtype)], -1)[:, None]  # [B, 1, H, r + dr]: H queries, one key head
+        lat = lat.to(qa.dtype)[:, None]  # [B, 1, K, r + dr]
+        o = F.scaled_dot_product_attention(qa, lat, lat[..., :m.kv_lora_rank], attn_mask=ok[:, None, None],
+                                           scale=self.scale)  # [B, 1, H, r]
+        out = torch.einsum("bhr,hvr->bhv", o[:, 0], w[:, m.qk_nope_head_dim:].to(o.dtype))  # [B, H, v]
+        return out[:, None], selected
 
     def index(self, x, rope, indexer_loss=None, q_resid=None):
         """Attention.index, with GLM-5's query from the (detached) query latent."""

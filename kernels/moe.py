@@ -81,7 +81,9 @@ def experts_forward(x, idx, w, gate_up, down):
     flat = idx.reshape(-1).long()  # [N*k]: slot n*k + j is token n's j-th expert
     order = torch.argsort(flat, stable=True)  # [N*k]: slots grouped by expert, tokens in order within one
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)  # [E]: where each expert's rows end
+    # [E]: where each expert's rows end, the count of slots with an id <= e (not bincount: on CUDA it reads the
+    # largest id back to the host, a sync that would also break the engine's CUDA-graph capture)
+    offs = torch.searchsorted(flat.index_select(0, order), torch.arange(E, device=flat.device), right=True).to(torch.int32)
     xs = x[:, None].expand(N, k, H).reshape(N * k, H).index_select(0, order)  # [N*k, H], sorted by expert
     gate, up = grouped_mm(xs, gate_up.to(x.dtype).transpose(1, 2), offs).chunk(2, dim=-1)  # [N*k, I] each
     ys = grouped_mm(F.silu(gate) * up, down.to(x.dtype).transpose(1, 2), offs)  # [N*k, H], sorted

@@ -1,4 +1,5 @@
 """model.py against transformers' Glm4ForCausalLM (the reference), on random tiny configs in float32."""
+import itertools
 import json
 import os
 
@@ -629,6 +630,21 @@ def test_moe_config_roundtrip_and_init_dicts(moe_pair):
         assert cfg.dsa.layer_kinds(3) == "".join("F" if t == "full" else "S" for t in hf.config.indexer_types)
 
 
+def test_glm5_loads_without_dsa_as_glm4_moe_lite(moe_pair, tmp_path, capsys):
+    """dsa=False on a GLM-5 checkpoint: its indexers dropped (one line), the rest is GLM-4.7-Flash's model,
+    equal to the DSA model wherever top-k covers every key, and it saves as glm4_moe_lite."""
+    _, ours, path = moe_pair
+    if ours.cfg.model_type != "glm_moe_dsa":
+        pytest.skip("a GLM-5 checkpoint")
+    dense = GLM.from_pretrained(path, dsa=False).eval()
+    assert dense.cfg.model_type == "glm4_moe_lite" and dense.cfg.dsa is None and "ignored" in capsys.readouterr().out
+    ids = torch.randint(0, 97, (2, 6))  # top-k >= 6 keys: DSA is exactly dense attention
+    with torch.no_grad():
+        assert torch.equal(dense(ids), ours(ids))
+    dense.save_pretrained(str(tmp_path / "lite"))
+    assert GLMConfig.from_hf(json.load(open(tmp_path / "lite" / "config.json"))) == dense.cfg
+
+
 def test_moe_config_from_init_kwargs_and_errors():
     """A fresh MoE model from model.init-style kwargs (nested dicts), the family's defaults, and clear errors."""
     init = dict(model_type="glm_moe_dsa", vocab_size=31, hidden_size=16, intermediate_size=32, num_layers=3,
@@ -696,3 +712,123 @@ def test_expert_sharded_loading_reads_only_this_ranks_experts(moe_pair):
             assert held == set(range(rank * per, min(full.shape[0], (rank + 1) * per)))
             got.append(shard.local)
         assert torch.equal(torch.cat(got), full)
+
+
+# ----------------------------------------------------------------------------- MLA caches: the latent
+
+def test_moe_kv_cache_holds_the_latent_and_decodes_as_the_full_forward(moe_pair):
+    """KVCache of an MLA model: one latent of kv_lora_rank + qk_rope_head_dim values per token per layer (and
+    indexer keys on F layers); a prefill then one token at a time gives the full forward's logits (with DSA:
+    top-6 decode among up to 16 keys)."""
+    _, ours, _ = moe_pair
+    cfg = ours.cfg
+    cache = KVCache(cfg, 3, 16)
+    assert [t.shape for t in cache.k] == [(3, 16, cfg.kv_width)] * cfg.num_layers and cache.v == []
+    ids = torch.randint(2, 97, (3, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = ours(ids)
+        steps = [ours(ids[:, :6], cache=cache)]
+        for t in range(6, 16):
+            steps.append(ours(ids[:, t:t + 1], cache=cache))
+    assert rel_err(torch.cat(steps, 1), full) < 1e-5
+
+
+def paged_slots(blocks, n):
+    """The pool slots of a sequence's first n positions, its blocks in order."""
+    return [blocks[p // model.BLOCK_SIZE] * model.BLOCK_SIZE + p % model.BLOCK_SIZE for p in range(n)]
+
+
+def paged_rows(pool, m, tokens, pos, blocks, routing=None):
+    """One paged forward of rows that each feed one token (a decode step, or an extension's new tokens, as
+    machinery/graphs.decode_forward runs them): row i's keys are its sequence's slots up to its position,
+    left-padded. -> logits [R, V]."""
+    Lk = max(pos) + 1
+    keys, valid = [], []
+    for p, b in zip(pos, blocks):
+        s = paged_slots(b, p + 1)
+        keys.append([s[0]] * (Lk - len(s)) + s)
+        valid.append([False] * (Lk - len(s)) + [True] * len(s))
+    pool.keys, pool.key_valid = torch.tensor(keys), torch.tensor(valid)
+    pool.slots = pool.keys[:, -1]
+    try:
+        return m(torch.tensor(tokens)[:, None], position_ids=torch.tensor(pos)[:, None], cache=pool,
+                 routing=routing)[:, -1]
+    finally:
+        pool.keys = None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_paged_prefill_decode_and_extension_equal_the_full_forward(moe_pair, dtype):
+    """The engine's paths over a PagedKVCache of latents: contexts prefilled as one packed row (keep = each
+    context's last token, one context's latents copied for a second request), decode steps of all rows, and a
+    turn that extends a parked context by several tokens as rows of one paged forward; logits equal the full
+    forward's of each whole sequence, DSA decode choosing top-6 among up to 30 keys. fp32: within 1e-5, and the
+    routes recorded on the way (prefill: every token, the last layer at the kept tokens only; decode and
+    extension: each row's token) are the full forward's. bf16 weights: within 2e-2 of the bf16 model's full
+    forward, replaying its routes (in bf16 a near-tied expert flips between two shapes of the same sum, and
+    moves a tiny random model's logits by more than rounding; the DSA configs get 0.25, as a bf16 top-k near a
+    tie may flip too: tests/test_engine.py's tolerance for the dense model's)."""
+    _, ref, _ = moe_pair
+    m = GLM(ref.cfg).eval()
+    m.load_state_dict(ref.state_dict())
+    m.cast_(dtype)
+    cfg, NR, fp32 = m.cfg, model.no_route(torch.uint8), dtype == torch.float32
+    tol = 1e-5 if fp32 else 2e-2 if cfg.dsa is None else 0.25
+    pool = model.PagedKVCache(cfg, 12, model.BLOCK_SIZE, dtype=dtype)
+    assert [t.shape[1:] for t in pool.k] == [(cfg.kv_width,)] * cfg.num_layers and pool.v == []
+    g = torch.Generator().manual_seed(11)
+    ctx = [torch.randint(2, 97, (n,), generator=g).tolist() for n in (5, 18, 9)]
+    ctx.append(ctx[0])  # a fourth request shares the first one's context: prefilled once, its latents copied
+    steps = torch.randint(2, 97, (6, 4), generator=g).tolist()  # decode: each request one token per step
+    new = torch.randint(2, 97, (7,), generator=g).tolist()  # then a later turn of request 1: 7 tokens at once
+    seqs = [c + [s[i] for s in steps] + (new if i == 1 else []) for i, c in enumerate(ctx)]
+    full, routes = [], []  # the reference: each whole sequence's full forward
+    for s in seqs:
+        r = Routing(record=True)
+        with torch.no_grad():
+            full.append(m(torch.tensor([s]), routing=r)[0].float())
+        routes.append(torch.stack(r.chosen)[:, 0])  # [n_moe, L, k]
+
+    def routing(parts):  # record (fp32), or replay the full forwards' routes at (request, positions) (bf16)
+        return Routing(record=True) if fp32 else Routing(replay=torch.stack([routes[i][:, p] for i, p in parts], 1))
+    blocks = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    row = [t for c in ctx[:3] for t in c]
+    pos = [p for c in ctx[:3] for p in range(len(c))]
+    ends = torch.tensor(list(itertools.accumulate(len(c) for c in ctx[:3]))) - 1
+    pool.slots = torch.tensor([s for c, b in zip(ctx[:3], blocks) for s in paged_slots(b, len(c))])
+    pool.copies = [(torch.tensor(paged_slots(blocks[3], 5)), torch.arange(5))]
+    pool.packed = model.Packed.of(torch.tensor([pos]))
+    r = Routing(record=True) if fp32 else Routing(  # the packed row: each context's routes in turn
+        replay=torch.cat([routes[i][:, None, :len(c)] for i, c in enumerate(ctx[:3])], 2))
+    with torch.no_grad():
+        first = m(torch.tensor([row]), position_ids=torch.tensor([pos]), cache=pool, keep=ends, routing=r)[0]
+    pool.copies, pool.packed = [], None
+    outs = [[first[i]] for i in range(3)] + [[first[0]]]
+    got_routes = [[torch.stack(r.chosen)[:, 0, a:a + len(c)]] for a, c in zip([0, 5, 23], ctx[:3])] if fp32 else None
+    with torch.no_grad():
+        for j, tok in enumerate(steps):
+            at = [len(c) + j for c in ctx]
+            r = routing([(i, torch.tensor([p])) for i, p in enumerate(at)])
+            logits = paged_rows(pool, m, tok, at, blocks, routing=r)
+            for i in range(4):
+                outs[i].append(logits[i])
+                if fp32 and i < 3:
+                    got_routes[i].append(torch.stack(r.chosen)[:, i])
+        start = len(ctx[1]) + len(steps)
+        blocks[1] = blocks[1] + [8]  # request 1's blocks grow to hold 30 tokens
+        r = routing([(1, torch.tensor([p])) for p in range(start, start + 7)])
+        ext = paged_rows(pool, m, new, list(range(start, start + 7)), [blocks[1]] * 7, routing=r)
+    for i in range(4):
+        n0 = len(ctx[i])
+        got = torch.stack([o.float() for o in outs[i]])
+        assert rel_err(got, full[i][n0 - 1:n0 + len(steps)]) < tol, i
+    assert rel_err(ext.float(), full[1][start:]) < tol
+    if fp32:
+        for i in range(3):
+            n0 = len(ctx[i])
+            want, got = routes[i][:, :n0 + len(steps)].clone(), torch.cat(got_routes[i], 1)  # [n_moe, n0 + 6, k]
+            if cfg.moe_layers[-1] == cfg.num_layers - 1:  # the last block ran on each context's last token only
+                assert (got[-1, :n0 - 1] == NR).all()
+                want[-1, :n0 - 1] = NR
+            assert torch.equal(got, want), i
+        assert torch.equal(torch.stack(r.chosen)[:, :, 0], routes[1][:, start:])
