@@ -18,9 +18,16 @@ Values are clamped to +-448 before the cast, so a quotient rounded just above 44
 an out-of-range value may give NaN; e4m3fn has no infinity).
 
 What is quantized (`is_quantized`): `layers.<i>.self_attn.{q,k,v,o}_proj.weight` and
-`layers.<i>.mlp.{gate_up,down}_proj.weight`. Not quantized: the embeddings, norms, lm_head, biases, and the
-whole DSA indexer (`...self_attn.indexer.*`): an fp8 indexer would change which keys the generator picks
-(dsa.py's precision notes), so it stays as the rest of the generator (bf16, dsa.FP32_PARAMS in fp32).
+`layers.<i>.mlp.{gate_up,down}_proj.weight`; in the MoE families (model.py's MLA + MoE) also MLA's
+`q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa` and `o_proj`, the SwiGLU `mlp.{gate,up,down}_proj` of the dense
+layers and `mlp.shared_experts.{gate,up,down}_proj`, and the routed experts' stacked `mlp.experts.gate_up_proj`
+[E, 2I, H] and `mlp.experts.down_proj` [E, H, I]: each expert's matrix block-wise on its own, codes [E, N, K] and
+`..._scale_inv` [E, ceil(N/128), ceil(K/128)] (`FP8Experts`). Not quantized: the embeddings, norms, lm_head,
+biases, the whole DSA indexer (`...self_attn.indexer.*`): an fp8 indexer would change which keys the generator
+picks (dsa.py's precision notes); the MoE router (`mlp.gate`, fp32 for the same reason: model.FP32_PARAMS); and
+MLA's `kv_b_proj`, which the absorbed decode (model.LatentAttention.paged_decode) reads as a matrix, its key half
+folded into the query and its value half applied after attention, not through a linear of activations (it is
+under 1% of GLM-4.7-Flash's weights). They stay as the rest of the generator (bf16, model.FP32_PARAMS in fp32).
 
 The matmul, y = x W^T + b (`fp8_linear`): activations are quantized at run time per token and group of 128
 along K (`quantize_activations`: fp32 scale = max(amax, 1e-4) / 448 per 1 x 128 group), multiplied with the
@@ -49,8 +56,10 @@ reference_linear (the Triton kernel when TRITON_INTERPRET=1). None of them is di
 In the model (`quantize_model_`): every quantized nn.Linear becomes an `FP8Linear` whose `weight` (fp8) and
 `weight_scale_inv` (fp32) are nn.Parameters with requires_grad=False (so `model.named_parameters()`, which
 the engine copies published weights into by name, lists them: "<layer>.weight" and "<layer>.weight_scale_inv",
-DeepSeek's names). Quantize after any cast: `model.to(dtype)` / `GLM.cast_` treat fp8 as a float dtype and
-would convert the codes without their scales (fp8_linear then refuses the weight). `quantized_weights` turns
+DeepSeek's names), and every model.Experts an `FP8Experts` ("<experts>.gate_up_proj" and
+"<experts>.gate_up_proj_scale_inv", the same for down_proj), which computes kernels/moe.experts_forward with
+one fp8_linear per expert and projection. Quantize after any cast: `model.to(dtype)` / `GLM.cast_` treat fp8
+as a float dtype and would convert the codes without their scales (fp8_linear then refuses the weight). `quantized_weights` turns
 the publisher's (name, tensor) stream into the same stream with each quantized weight replaced by its codes
 and scales, one tensor at a time; `weight_bytes` is what a generator's weights take with fp8 (memory.py).
 """
@@ -66,15 +75,20 @@ import torch.nn.functional as F
 
 from kernels import dsa_triton
 from dsa import fp32_scope
-from model import GLM
+from model import GLM, Experts
 
 BLOCK = 128  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 AMAX_MIN = 1e-4  # a block's amax is clamped to this: an all-zero block quantizes to zeros, not 0/0 = NaN
 FP8 = torch.float8_e4m3fn
 
-# The decoder's linear weights, by our parameter name (an HF name's "model." prefix is accepted too)
-_QUANTIZED = re.compile(r"(model\.)?layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate_up|down)_proj)\.weight")
+# The decoder's linear weights, by our parameter name (an HF name's "model." prefix is accepted too): GLM-4's
+# attention and MLP; MLA's projections but kv_b_proj (the module docstring says why); the MoE families' SwiGLU (dense
+# layers, shared experts); and the routed experts' stacked [E, N, K] tensors (no ".weight": parameters of
+# model.Experts). Never the indexer's, the router's (mlp.gate.weight) or a bias.
+_LINEARS = (r"self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa)|mlp\.(gate_up|down|gate|up)_proj"
+            r"|mlp\.shared_experts\.(gate|up|down)_proj")
+_QUANTIZED = re.compile(rf"(model\.)?layers\.\d+\.(({_LINEARS})\.weight|mlp\.experts\.(gate_up|down)_proj)")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -82,18 +96,37 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def is_quantized(name: str) -> bool:
-    """Whether a parameter (our name, e.g. "layers.3.mlp.down_proj.weight") is held in fp8 by the generator.
-    The indexer's projections ("layers.0.self_attn.indexer.wq.weight"), biases, norms, embeddings and
-    lm_head are not."""
+    """Whether a parameter (our name, e.g. "layers.3.mlp.down_proj.weight", "layers.3.mlp.experts.down_proj") is
+    held in fp8 by the generator. The indexer's projections ("layers.0.self_attn.indexer.wq.weight"), the MoE
+    router, MLA's kv_b_proj, biases, norms, embeddings and lm_head are not."""
     return _QUANTIZED.fullmatch(name) is not None
 
 
 # ----------------------------------------------------------------------------------------------- the format
 
+def _exactly(number, like):
+    """number as a 0-d tensor on like's device: the divisor of a scale. A CUDA tensor divided by a Python number
+    (a CPU scalar) is multiplied by the number's fp32 reciprocal instead (PyTorch's division kernel), one bit off
+    the correctly rounded quotient for some amax; a scale one ulp off rounds the values that sit at a rounding
+    boundary between two e4m3 codes the other way, so a GPU quantized differently from the CPU and from the
+    Triton kernel (whose division is correctly rounded). Divided by a device tensor, every path quantizes alike.
+    (torch.full: a fill on the device, no host copy, so a CUDA graph capture may include it.)"""
+    return torch.full((), number, dtype=torch.float32, device=like.device)
+
+
 def quantize(w):
     """w [N, K] (any float dtype, any device, meta too) -> (q float8_e4m3fn [N, K], scale_inv fp32 [Nb, Kb]),
     Nb = ceil(N / 128), Kb = ceil(K / 128), with w ~= q * scale_inv per 128 x 128 block.
-    Temporary memory: one fp32 copy of w (padded to whole blocks) besides the fp8 result."""
+    Temporary memory: one fp32 copy of w (padded to whole blocks) besides the fp8 result.
+    w [E, N, K] (stacked experts): each w[e] on its own -> (q [E, N, K], scale_inv [E, Nb, Kb]), one expert at a
+    time (an fp32 copy of one expert's matrix, not of all E)."""
+    if w.dim() == 3:
+        E, N, K = w.shape
+        q = torch.empty(E, N, K, dtype=FP8, device=w.device)
+        s = torch.empty(E, _cdiv(N, BLOCK), _cdiv(K, BLOCK), dtype=torch.float32, device=w.device)
+        for e in range(E):
+            q[e], s[e] = quantize(w[e])
+        return q, s
     N, K = w.shape
     Nb, Kb = _cdiv(N, BLOCK), _cdiv(K, BLOCK)
     wf = w.detach().to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # divided in place below
@@ -101,17 +134,19 @@ def quantize(w):
         wf = F.pad(wf, (0, Kb * BLOCK - K, 0, Nb * BLOCK - N))  # zeros: they do not change a block's amax
     blocks = wf.view(Nb, BLOCK, Kb, BLOCK)  # block (i, j) is blocks[i, :, j, :]
     amax = torch.maximum(blocks.amax(dim=(1, 3)), -blocks.amin(dim=(1, 3)))  # [Nb, Kb], no |w| temporary
-    scale_inv = amax.clamp_min(AMAX_MIN) / E4M3_MAX  # [Nb, Kb] fp32
+    scale_inv = amax.clamp_min(AMAX_MIN) / _exactly(E4M3_MAX, amax)  # [Nb, Kb] fp32
     q = blocks.div_(scale_inv[:, None, :, None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)  # saturate, then round
     return q.view(Nb * BLOCK, Kb * BLOCK)[:N, :K].contiguous(), scale_inv
 
 
 def dequantize(q, scale_inv, dtype=torch.float32):
-    """(q fp8 [N, K], scale_inv fp32 [Nb, Kb]) -> q * scale_inv per block, [N, K] in dtype (the product in fp32)."""
-    N, K = q.shape
-    Nb, Kb = scale_inv.shape
-    qf = F.pad(q.float(), (0, Kb * BLOCK - K, 0, Nb * BLOCK - N)).view(Nb, BLOCK, Kb, BLOCK)
-    return (qf * scale_inv[:, None, :, None].float()).view(Nb * BLOCK, Kb * BLOCK)[:N, :K].to(dtype)
+    """(q fp8 [..., N, K], scale_inv fp32 [..., Nb, Kb]) -> q * scale_inv per block, [..., N, K] in dtype (the
+    product in fp32). Leading dims: stacked experts."""
+    *lead, N, K = q.shape
+    Nb, Kb = scale_inv.shape[-2:]
+    qf = F.pad(q.float(), (0, Kb * BLOCK - K, 0, Nb * BLOCK - N)).view(*lead, Nb, BLOCK, Kb, BLOCK)
+    out = qf * scale_inv[..., :, None, :, None].float()
+    return out.view(*lead, Nb * BLOCK, Kb * BLOCK)[..., :N, :K].to(dtype)
 
 
 def quantize_activations(x):
@@ -123,7 +158,7 @@ def quantize_activations(x):
     if K != Kb * BLOCK:
         xf = F.pad(xf, (0, Kb * BLOCK - K))
     groups = xf.view(*lead, Kb, BLOCK)
-    scale = torch.maximum(groups.amax(-1), -groups.amin(-1)).clamp_min(AMAX_MIN) / E4M3_MAX  # [..., Kb]
+    scale = torch.maximum(groups.amax(-1), -groups.amin(-1)).clamp_min(AMAX_MIN) / _exactly(E4M3_MAX, xf)  # [..., Kb]
     xq = groups.div_(scale[..., None]).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8)
     return xq.view(*lead, Kb * BLOCK)[..., :K].contiguous(), scale
 
@@ -362,23 +397,95 @@ class FP8Linear(nn.Module):
                 "e4m3 in 128 x 128 blocks")
 
 
+class FP8Experts(nn.Module):
+    """model.Experts' place in the generator: the routed experts' stacked weights, each expert's matrix quantized
+    block-wise on its own: gate_up_proj fp8 [E, 2I, H] with gate_up_proj_scale_inv fp32 [E, ceil(2I/128),
+    ceil(H/128)], down_proj fp8 [E, H, I] with down_proj_scale_inv [E, ceil(H/128), ceil(I/128)] (nn.Parameters
+    without gradients, as FP8Linear's). forward(x, idx, w) is kernels/moe.experts_forward's computation with each
+    expert's two projections as fp8_linear calls."""
+
+    def __init__(self, n_experts, hidden_size, intermediate_size, device=None):
+        super().__init__()
+        E, H, I = n_experts, hidden_size, intermediate_size
+        for name, (N, K) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
+            setattr(self, name, nn.Parameter(torch.zeros(E, N, K, dtype=FP8, device=device), requires_grad=False))
+            blocks = (E, _cdiv(N, BLOCK), _cdiv(K, BLOCK))
+            setattr(self, name + "_scale_inv", nn.Parameter(torch.ones(blocks, device=device), requires_grad=False))
+
+    @classmethod
+    def from_experts(cls, experts) -> "FP8Experts":
+        """model.Experts' weights quantized (quantize, one expert at a time); meta in, meta out."""
+        E, H, I = experts.down_proj.shape
+        with torch.device("meta"):  # the empty shell; its tensors are replaced just below
+            m = cls(E, H, I)
+        for name in ("gate_up_proj", "down_proj"):
+            q, s = quantize(getattr(experts, name))
+            setattr(m, name, nn.Parameter(q, requires_grad=False))
+            setattr(m, name + "_scale_inv", nn.Parameter(s, requires_grad=False))
+        return m
+
+    def forward(self, x, idx, w):
+        """x [N, H] (bf16 on the engine), idx [N, k] expert ids, w [N, k] routing weights -> [N, H] in x's dtype:
+        out[n] = sum_j w[n, j] * expert_{idx[n, j]}(x[n]), each expert down(silu(gate(x)) * up(x)) in fp8.
+
+        As kernels/moe.experts_forward: the N*k (token, expert) slots sorted by expert (stable), each expert's
+        contiguous run of rows through its two fp8 matmuls (a loop over the experts that have tokens, never over
+        tokens; their row counts read on the host: one sync per layer), back in slot order by the inverse
+        permutation, weighted (the product rounded to x's dtype) and summed over k in fp32, rounded once."""
+        N, H = x.shape
+        k, E = idx.shape[1], self.gate_up_proj.shape[0]
+        flat = idx.reshape(-1).long()  # [N*k]: slot n*k + j is token n's j-th expert
+        order = torch.argsort(flat, stable=True)  # [N*k]
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        ends = torch.bincount(flat, minlength=E).cumsum(0).tolist()  # [E]: where each expert's rows end
+        xs = x[:, None].expand(N, k, H).reshape(N * k, H).index_select(0, order)  # [N*k, H], sorted by expert
+        outs, start = [], 0
+        for e, end in enumerate(ends):
+            if end > start:
+                h = fp8_linear(xs[start:end], self.gate_up_proj[e], self.gate_up_proj_scale_inv[e])  # [n_e, 2I]
+                gate, up = h.chunk(2, dim=-1)
+                outs.append(fp8_linear(F.silu(gate) * up, self.down_proj[e], self.down_proj_scale_inv[e]))  # [n_e, H]
+            start = end
+        ys = torch.cat(outs) if outs else x.new_zeros(0, H)  # [N*k, H], sorted
+        ys = ys.index_select(0, inverse).view(N, k, H)
+        return (ys * w.to(ys.dtype)[..., None]).sum(1)
+
+    def extra_repr(self):
+        E, N, K = self.gate_up_proj.shape
+        return f"experts={E}, hidden={K}, intermediate={N // 2}, e4m3 in 128 x 128 blocks per expert"
+
+
 def quantize_model_(model):
     """In place: every quantized nn.Linear of a model.GLM (is_quantized of "<its name>.weight") becomes an
     FP8Linear holding quantize(its weight), one at a time (a loaded model's peak: its own weights plus one
-    linear's fp32 copy while it is quantized). Works on a meta-device model (then empty fp8 tensors).
-    Everything else (embeddings, norms, lm_head, biases, the DSA indexer) is left as it is. Returns model.
+    linear's fp32 copy while it is quantized), and every model.Experts (is_quantized of "<its name>.gate_up_proj")
+    an FP8Experts. Works on a meta-device model (then empty fp8 tensors). Everything else (embeddings, norms,
+    lm_head, biases, the DSA indexer, the MoE routers, kv_b_proj) is left as it is. Returns model.
     Cast first (GLM.cast_): a cast after this converts the fp8 codes."""
+    if any(type(m).forward is nn.Module.forward for m in model.modules() if isinstance(m, Experts)):
+        raise NotImplementedError("fp8 routed experts need model.MoE to compute its experts as a module call "
+                                  "(self.experts(x, ids, weights)), so that FP8Experts can take model.Experts' place")
+    return _quantize_modules_(model)
+
+
+def _quantize_modules_(model):
+    """quantize_model_'s replacements, without its check that the model would compute with them (weight_bytes only
+    counts their bytes)."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and is_quantized(n + ".weight")]
-    for name in names:  # (names, not modules: each replaced nn.Linear is freed before the next is quantized)
+    experts = [n for n, m in model.named_modules() if isinstance(m, Experts) and is_quantized(n + ".gate_up_proj")]
+    for name in names + experts:  # (names, not modules: each replaced module is freed before the next is quantized)
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, FP8Linear.from_linear(model.get_submodule(name)))
+        module = model.get_submodule(name)
+        new = FP8Experts.from_experts(module) if isinstance(module, Experts) else FP8Linear.from_linear(module)
+        setattr(model.get_submodule(parent), child, new)
     return model
 
 
 def quantized_weights(named_tensors):
     """(name, tensor) pairs -> the same pairs, each quantized weight replaced by (name, q fp8) and
-    (name + "_scale_inv", scale_inv fp32): the names of an FP8Linear's parameters. Lazy: one input pair is
-    read (and quantized, on its own device) per output, as the publisher gathers FSDP shards tensor by tensor."""
+    (name + "_scale_inv", scale_inv fp32): the names of an FP8Linear's (or FP8Experts') parameters; stacked
+    experts [E, N, K] per expert (quantize). Lazy: one input pair is read (and quantized, on its own device) per
+    output, as the publisher gathers FSDP shards tensor by tensor."""
     for name, t in named_tensors:
         if is_quantized(name):
             q, s = quantize(t)
@@ -389,9 +496,10 @@ def quantized_weights(named_tensors):
 
 
 def weight_bytes(cfg) -> int:
-    """Bytes of a generator's weights with fp8 (model.GLMConfig): quantized linears 1 byte per weight plus
-    4 per 128 x 128 block, everything else bf16 but dsa.FP32_PARAMS (fp32). Counted from the model built on
-    the meta device, cast and quantized as the generator is (no memory)."""
+    """Bytes of a generator's weights with fp8 (model.GLMConfig): quantized linears and experts 1 byte per weight
+    plus 4 per 128 x 128 block (per expert), everything else bf16 but model.FP32_PARAMS (fp32), the MoE routers'
+    score-correction biases (buffers) included. Counted from the model built on the meta device, cast and
+    quantized as the generator is (no memory)."""
     with torch.device("meta"):
-        model = quantize_model_(GLM(cfg).cast_(torch.bfloat16))
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+        model = _quantize_modules_(GLM(cfg).cast_(torch.bfloat16))
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])

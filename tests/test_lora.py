@@ -204,7 +204,7 @@ def test_moe_adapters_land_on_attention_dense_and_shared_mlps_only(kind):
     assert {n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)} == adapted_modules(kind)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
         f"{m}.lora_{x}" for m in adapted_modules(kind) for x in "AB"}
-    assert model.layers[1].mlp.gate.weight.dtype == torch.float32 and type(model.layers[1].mlp.experts) is not lora.LoRALinear
+    assert model.layers[1].mlp.gate.weight.dtype == torch.float32
     with torch.no_grad():
         a, b = Routing(record=True), Routing(record=True)
         assert torch.equal(model(IDS, routing=a), base(IDS, routing=b))
@@ -278,8 +278,8 @@ def test_moe_adapters_load_in_peft_onto_transformers(targets, tmp_path):
     model = trained(lora.add(tiny_moe("glm4_moe_lite"), LoRAConfig(rank=4, alpha=8.0, targets=targets)))
     tiny_moe("glm4_moe_lite").save_pretrained(str(tmp_path / "base"))
     lora.save_adapters(model, str(tmp_path / "adapter"), base_model=str(tmp_path / "base"))
-    hf = peft.PeftModel.from_pretrained(Glm4MoeLiteForCausalLM.from_pretrained(str(tmp_path / "base"), torch_dtype=torch.float32),
-                                        str(tmp_path / "adapter")).eval()
+    base = Glm4MoeLiteForCausalLM.from_pretrained(str(tmp_path / "base"), torch_dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
     if hf.peft_config["default"].target_parameters:
         pytest.xfail(f"peft {peft.__version__} re-targets the MLP adapters at mlp.experts (huggingface/peft#3711)")
     with torch.no_grad():

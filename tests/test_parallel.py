@@ -95,7 +95,8 @@ def test_two_fsdp_ranks_load_only_their_shards_and_match_one_process(two_ranks):
     """(saved, loaded, tied): a DSA checkpoint as is; a dense one turned DSA (fresh indexers, drawn whole from the
     seed on every rank, each keeping its rows); tied embeddings. One torchrun loads all three."""
     for i, (_, loaded, _) in enumerate(CASES):
-        two, one = torch.load(str(two_ranks / f"weights{i}.pt")), dict(load(str(two_ranks / f"ckpt{i}"), loaded).named_parameters())
+        two = torch.load(str(two_ranks / f"weights{i}.pt"))
+        one = dict(load(str(two_ranks / f"ckpt{i}"), loaded).named_parameters())
         assert set(two) == set(one)
         for name in one:
             assert torch.equal(two[name], one[name].detach()), (i, name)
@@ -105,9 +106,9 @@ def test_two_fsdp_ranks_load_only_their_shards_and_match_one_process(two_ranks):
 # One learner step of the tiny MoE model (MOE), rank r of 2 on rows 2r, 2r+1 of a fixed batch of 4, against one
 # process on all 4: the same routes, loss, full gradients and stepped weights (float tolerance, max |two - one| over
 # max |one| per tensor < 1e-5: the ranks' partial sums add in another order; measured up to 1.7e-6 for the
-# gradients, the embeddings' (the largest, summed over every layer's path)). The experts load expert-sharded (each rank reads
-# its own experts' files) and shard along dim 0; each router is an FSDP unit of its own, gathered in fp32 where
-# the rest of its layer is gathered in bf16 (checked with the GPU's policy forced on the CPU).
+# gradients, the embeddings' (the largest, summed over every layer's path)). The experts load expert-sharded (each
+# rank reads its own experts' files) and shard along dim 0; each router is an FSDP unit of its own, gathered in fp32
+# where the rest of its layer is gathered in bf16 (checked with the GPU's policy forced on the CPU).
 
 BATCH = torch.randint(2, 37, (4, 12), generator=torch.Generator().manual_seed(3))
 
