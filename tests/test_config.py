@@ -310,3 +310,65 @@ def test_model_paths_are_checked_before_any_work(tmp_path):
     cfg = load_config(TINY, [f"run_dir={tmp_path}", f"model.tokenizer={tmp_path}"])
     with pytest.raises(ConfigError, match="model.tokenizer: .* has no tokenizer_config.json"):
         config.check_paths(cfg)
+
+
+# ----------------------------------------------------------------------------- MoE: routing replay, the MoE recipes
+
+TINY_MOE = os.path.join(ROOT, "configs", "tiny_moe_cpu.yaml")
+FLASH = os.path.join(ROOT, "configs", "glm47flash_math.yaml")
+
+
+def test_routing_replay_takes_rollout_or_none_and_names_the_key_otherwise():
+    assert load_config(TINY_MOE).model.routing_replay == "rollout"  # the default: replay the generator's experts
+    assert load_config(TINY_MOE, ["model.routing_replay=none"]).model.routing_replay == "none"
+    assert load_config(TINY_MOE, ["model.routing_replay=rollout"]).model.routing_replay == "rollout"
+    for bad, message in (("replay", "model.routing_replay must be rollout or none, got 'replay'"),
+                         ("Rollout", "model.routing_replay must be rollout or none, got 'Rollout'"),
+                         ("true", "model.routing_replay must be str, got True"),
+                         ("null", "model.routing_replay must be str, got None")):
+        with pytest.raises(ConfigError) as e:
+            load_config(TINY_MOE, [f"model.routing_replay={bad}"])
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_sglang_with_an_moe_model_is_refused_in_one_line(capsys):
+    """rollout.engine: sglang serves dense checkpoints (no routes, no MLA): with an MoE model.init the plan refuses it
+    in one line naming the engine and the model, before any work (--dry-run too); a dense model still plans there."""
+    cfg = load_config(TINY_MOE, ["rollout.engine=sglang"])
+    with pytest.raises(ConfigError) as e:
+        config.plan_memory(cfg, 1)
+    assert str(e.value).startswith("rollout.engine: sglang") and "glm_moe_dsa" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="^rollout.engine: sglang"):
+        config.check_memory(cfg, 1)
+    out, error = dry_run(capsys, "--config", TINY_MOE, "rollout.engine=sglang")
+    assert error == f"error: {e.value}" and "memory plan" not in out
+    assert config.plan_memory(load_config(TINY, ["rollout.engine=sglang"]), 1).settings["engine"] == "sglang"
+
+
+def test_the_tiny_moe_recipe_loads_and_plans():
+    """configs/tiny_moe_cpu.yaml: a glm_moe_dsa-shaped model.init (MLA, MoE top-2 of 8 after a dense layer, DSA F S F)
+    that plans on the default layout, with each KV slot's routes and the learner's replayed routes counted; it
+    states only what differs from the defaults."""
+    cfg = load_config(TINY_MOE)
+    arch = config.architecture(cfg)
+    assert arch.model_type == "glm_moe_dsa" and arch.mla.kv_lora_rank == 32 and arch.dsa.layer_kinds(3) == "FSF"
+    assert (arch.moe.n_routed_experts, arch.moe.num_experts_per_tok, arch.moe_layers) == (8, 2, [1, 2])
+    config.check_memory(cfg, cfg.train.pairs)  # fits
+    plan = config.plan_memory(cfg, cfg.train.pairs)
+    assert any(i.startswith("MoE routes [n_moe, T, k]") for i, _ in plan.learner)
+    assert any("each slot's routes (4 B)" in i for i, _ in plan.generator)  # 2 MoE layers x top-2, uint8
+    test_recipes_state_only_what_differs_from_the_defaults(TINY_MOE)
+
+
+def test_the_glm47flash_recipe_loads_and_its_plan_fits_on_h100s():
+    """configs/glm47flash_math.yaml plans with no download (config.PUBLISHED's GLM-4.7-Flash: glm4_moe_lite, 47 layers,
+    29.94B parameters), co-located on 8 H100s, every phase within 74.5 GiB (check_memory's verdict: the learner's
+    state kept, as colocate_offload chooses when it fits); it states only what differs from the defaults."""
+    cfg = load_config(FLASH)
+    assert cfg.model.path == "zai-org/GLM-4.7-Flash" and cfg.model.routing_replay == "rollout" and cfg.train.colocate
+    arch = config.architecture(cfg)
+    assert (arch.model_type, arch.num_layers, arch.dsa, len(arch.moe_layers)) == ("glm4_moe_lite", 47, None, 46)
+    plan = config.plan_memory(cfg, cfg.train.pairs, offload=False)
+    assert f"{plan.params / 1e9:.2f}" == "29.94"
+    assert plan.problems(config.H100_BYTES) == [] and max(b for _, _, b in plan.phases()) <= config.H100_BYTES
+    test_recipes_state_only_what_differs_from_the_defaults(FLASH)

@@ -556,3 +556,215 @@ def test_a_context_that_does_not_extend_its_parked_tokens_prefills_whole():
     assert engine.stats["extends"] == 0 and engine.stats["prefill_tokens"] == 3 + 4
     (ref,) = TorchEngine(tiny_model().eval()).generate([[5, 6, 8, 9]], sampling)
     assert outs[0][1].token_ids == ref.token_ids
+
+
+# ----------------------------------------------------------------------------- MoE: the routes each token took
+
+from machinery.scheduler import extend_routes  # noqa: E402
+from model import Routing, no_route  # noqa: E402
+
+NO = no_route(torch.uint8)  # the routes' "not routed" id (8 experts: uint8)
+
+
+def tiny_moe(seed=0):
+    """tests/test_train.py's tiny glm_moe_dsa-shaped model (MLA, a dense first layer, then two MoE layers: top-2 of
+    8 experts and a shared one; DSA top-4) on this file's 40-token vocabulary; weights sharper than the init, so
+    routes and top-k keys are far from ties (fp32 routes then match exactly between code paths)."""
+    torch.manual_seed(seed)
+    cfg = GLMConfig(model_type="glm_moe_dsa", vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=3,
+                    num_heads=4, num_kv_heads=4, eos_token_id=[1], pad_token_id=0,
+                    mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+                    moe=dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                             n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                             mlp_layer_types=["dense", "sparse", "sparse"]),
+                    dsa={"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
+    model = GLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return model.eval()
+
+
+def full_routes(model, ids):
+    """The experts a full forward of ids (no cache, every layer at every position) chooses: uint8 [len(ids), n_moe, k]."""
+    r = Routing(record=True)
+    with torch.no_grad():
+        model(torch.tensor([ids]), routing=r)
+    return torch.stack(r.chosen)[:, 0].permute(1, 0, 2)
+
+
+def prefill_mask(n_ctx, total, n_moe):
+    """Which (position, MoE layer) a whole-context prefill of n_ctx tokens followed by decode steps routes, of `total`
+    positions fed: the prefill's last block runs at its context's last token only, every other layer everywhere."""
+    ran = torch.ones(total, n_moe, dtype=torch.bool)
+    ran[:n_ctx - 1, -1] = False
+    return ran
+
+
+def assert_routes(got, want, ran):
+    """got [positions, n_moe, k] routes where `ran` [positions, n_moe] (each chosen set equal to want's there, any
+    order), NO_ROUTE in every slot elsewhere."""
+    assert torch.equal((got != NO).all(-1), ran) and torch.equal((got != NO).any(-1), ran), (got != NO).all(-1)
+    assert torch.equal(got.sort(-1).values[ran], want.sort(-1).values[ran])
+
+
+def test_moe_a_turn_that_extends_its_parked_kv_carries_the_whole_contexts_routes():
+    """Sessions: a trajectory's later turn runs only its new tokens on its parked KV, yet its completion's routes
+    cover every position of its context fed so far (prompt, earlier turns, env tokens, its own tokens but the last):
+    the positions of the turn before are exactly that turn's completion's routes (read back from the parked slots),
+    and the new ones are those a full fp32 forward of the whole context chooses, every MoE layer routed."""
+    model = tiny_moe()
+    engine = TorchEngine(model, max_batch=2)
+    turns = [[[5, 6, 7, 8, 9], [3, 4, 30], [11]], [[3, 4], [7, 7, 7, 7, 7, 7, 7, 7]], [[10, 11, 12], [1, 2]]]
+    out = run_session(engine, turns)
+    assert engine.stats["extends"] >= 1 and engine.stats["evicted"] == 0 and engine.stats["retracted"] == 0
+    n_moe, k = len(model.cfg.moe_layers), model.cfg.moe.num_experts_per_tok
+    for traj in out:
+        ctx, c = traj[-1]
+        want = full_routes(model, ctx + c.token_ids[:-1])
+        before = None  # (positions fed, routes) of the turn before
+        for t, (ctx, c) in enumerate(traj):
+            fed = len(ctx) + len(c.token_ids) - 1
+            assert c.routes.shape == (fed, n_moe, k) and c.routes.dtype == torch.uint8
+            if before is None:
+                assert_routes(c.routes, want[:fed], prefill_mask(len(ctx), fed, n_moe))
+            else:
+                assert torch.equal(c.routes[:before[0]], before[1])  # the parked positions' own record
+                assert_routes(c.routes[before[0]:], want[before[0]:fed], torch.ones(fed - before[0], n_moe, dtype=torch.bool))
+            before = (fed, c.routes)
+
+
+def test_moe_an_evicted_trajectorys_turn_prefills_again_and_its_earlier_routes_stay_the_first_records():
+    """A pool too small for every parked trajectory (test_parked_kv_is_evicted_first_and_evicted_turns_prefill_again):
+    an evicted trajectory's next turn prefills its whole context, whose last MoE layer then runs at the context's
+    last token only: that completion's routes hold the first record's experts where it ran them (the same weights)
+    and NO_ROUTE in the last layer elsewhere, never a stale route of the slot's previous owner. Merged as an episode
+    merges its turns (extend_routes), the trajectory's routes are every position's first record: the model tokens
+    that decode fed keep every layer's routes, and all of them are what a full fp32 forward chooses. (The env tokens of a
+    turn prefilled again have no last-layer route: their logits are never trained on, and the learner routes them
+    afresh; the context's last token, whose logits give the turn's first token, has every layer's.)"""
+    turns = [[[5 + k, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17], [3]] for k in range(4)]
+    small = TorchEngine(tiny_moe(), max_batch=4, kv_tokens=80)  # 5 blocks of 16 slots
+    packed, pack = [], small._pack
+    small._pack = lambda new: packed.extend(tuple(r.prompt + r.tokens) for r in new) or pack(new)
+    got = run_session(small, turns, temperature=1.0)
+    assert small.stats["evicted"] > 0 and small.stats["retracted"] == 0
+    model, n_moe = tiny_moe(), 2
+    prefilled_again = 0
+    for traj in got:
+        ctx, c = traj[-1]
+        want = full_routes(model, ctx + c.token_ids[:-1])
+        merged, decoded = None, torch.zeros(len(want), dtype=torch.bool)  # positions a decode step (or extension) fed
+        for t, (ctx, c) in enumerate(traj):
+            fed = len(ctx) + len(c.token_ids) - 1
+            assert c.routes.shape[0] == fed
+            if t == 0 or tuple(ctx) in packed:  # a whole-context prefill (the first turn, or evicted)
+                prefilled_again += t > 0
+                assert_routes(c.routes, want[:fed], prefill_mask(len(ctx), fed, n_moe))
+                if merged is not None:  # the positions the earlier turns recorded, as they recorded them where it ran
+                    ran = prefill_mask(len(ctx), len(merged), n_moe) & (merged != NO).all(-1)
+                    assert torch.equal(c.routes[:len(merged)][ran], merged[ran])
+            else:  # extended its parked KV: the earlier positions read back as recorded
+                assert torch.equal(c.routes[:len(merged)], merged)
+            decoded[len(ctx) - 1 if t == 0 or tuple(ctx) in packed else len(merged):fed] = True
+            first = merged
+            merged = extend_routes(merged, c.routes)
+            if first is not None:
+                assert torch.equal(merged[:len(first)], first)
+        assert merged.shape[0] == len(want)
+        # the last layer ran where a decode step (or an extension) fed a position, or at a prefill's last token;
+        # elsewhere (the first prompt, and the env tokens of a turn prefilled again) nothing ever ran it
+        ran = torch.ones(len(want), n_moe, dtype=torch.bool)
+        ran[:, -1] = decoded
+        assert_routes(merged, want, ran)
+    assert prefilled_again >= 1
+
+
+def assert_old_then_new(prompts, outs, old, new):
+    """Each completion (versions (0, 1)) of a reprefill engine updated from `old` to `new` mid-call: its first tokens
+    have the old weights' logprobs, the rest the new weights' (full fp32 forwards; nothing in between: no token of
+    new weights over old KV), at least one of each; each position's routes are those of the forward that first ran
+    it: the old weights' full forward for every position fed before the update (the re-prefill runs them again but
+    must not rewrite them), the new weights' from the first one the re-prefill fed (the last token sampled before
+    it) on. -> (completions whose positions before / after that point would have other routes under the other
+    weights), so that the routes check above could fail."""
+    n_moe, differ = len(old.cfg.moe_layers), [0, 0]
+    for p, c in zip(prompts, outs):
+        assert c.versions == (0, 1)
+        ids = p + c.token_ids
+        with torch.no_grad():
+            lp = {w: m(torch.tensor([ids]))[0, len(p) - 1:-1].log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+                  for w, m in (("old", old), ("new", new))}
+        got = torch.tensor(c.logprobs)
+        is_old, is_new = (got - lp["old"]).abs() < 1e-4, (got - lp["new"]).abs() < 1e-4
+        j = int(is_old.long().cumprod(0).sum())  # tokens sampled before the update
+        assert 0 < j < len(c.token_ids) and is_new[j:].all(), "".join("o" if a else "n" if b else "?" for a, b in
+                                                                     zip(is_old.tolist(), is_new.tolist()))
+        b = len(p) - 1 + j  # the first position the new weights ran first: the last token sampled by the old ones
+        routes = {w: full_routes(m, ids[:-1]).sort(-1).values for w, m in (("old", old), ("new", new))}
+        ran = prefill_mask(len(p), len(ids) - 1, n_moe)
+        assert_routes(c.routes, torch.cat((routes["old"][:b], routes["new"][b:])), ran)
+        diff = (routes["old"] != routes["new"]).any(-1) & ran
+        differ[0] += int(diff[:b].any())
+        differ[1] += int(diff[b:].any())
+    return differ
+
+
+def test_moe_reprefill_under_new_weights_keeps_each_tokens_own_routes():
+    """Partial rollouts that span a weight update, rollout.update_mode: reprefill: new weights (another seed's) land
+    between two iterations mid-call; the running rows are retracted and prefilled again under them. Each token keeps
+    the logprob and each position the routes of the weights that first ran it (assert_old_then_new)."""
+    old, new = tiny_moe(seed=0), tiny_moe(seed=1)
+    engine = TorchEngine(tiny_moe(seed=0), max_batch=4, reprefill=True)
+    steps, step = [0], engine._step
+
+    def update_then_step():  # the update lands between two iterations: deterministic, no thread timing
+        steps[0] += 1
+        if steps[0] == 6:
+            engine.update_weights(((n, p.detach()) for n, p in new.named_parameters()), version=1)
+        step()
+    engine._step = update_then_step
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]]
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12), seed=4)
+    assert engine.stats["retracted"] == 3 and all(len(c.token_ids) == 12 for c in outs)
+    assert min(assert_old_then_new(prompts, outs, old, new)) > 0
+
+
+def test_moe_reprefill_an_update_published_during_an_iteration_waits_for_the_next():
+    """The same, with the update published by another thread (as the Generator publishes) while an iteration runs,
+    after its reprefill check (TorchEngine._step compares kv_version with version) and before its decode step.
+    reprefill promises that no KV of the old weights survives them: the update must wait for the iteration's end
+    (the next one retracts and prefills again), not land in between, where the decode step would sample every
+    running row's next token, and record its routes, with the new weights over the old weights' KV (seen: one such
+    token per row, whose logprob is neither weights' own)."""
+    old, new = tiny_moe(seed=0), tiny_moe(seed=1)
+    engine = TorchEngine(tiny_moe(seed=0), max_batch=4, reprefill=True)
+    grows, grow, publisher = [0], engine._grow, []
+
+    def publish_during_the_iteration():  # _step calls _grow right after its reprefill check, before the forwards
+        grows[0] += 1
+        if grows[0] == 6:
+            t = threading.Thread(target=engine.update_weights,
+                                 args=(((n, p.detach()) for n, p in new.named_parameters()), 1))
+            t.start()
+            publisher.append(t)
+            t.join(timeout=0.5)  # landed now, unless the iteration holds the weights (then it lands after it)
+        grow()
+    engine._grow = publish_during_the_iteration
+    prompts = [[5, 6, 7, 8, 9], [3, 4], [10, 11, 12]]
+    outs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12), seed=4)
+    publisher[0].join()
+    assert engine.version == 1 and all(len(c.token_ids) == 12 for c in outs)
+    assert min(assert_old_then_new(prompts, outs, old, new)) > 0
+
+
+def test_moe_a_dense_model_has_no_routes():
+    """A dense model's engine keeps no routes beside its KV and its completions carry none (generate and sessions)."""
+    engine = TorchEngine(tiny_model(DSA3).eval(), max_batch=2)
+    outs = engine.generate([[5, 6, 7], [3, 4]], SamplingParams(temperature=1.0, max_new_tokens=5), seed=0)
+    assert engine.pool.routes == [] and all(c.routes is None for c in outs)
+    out = run_session(engine, [[[5, 6, 7], [8, 9]], [[3, 4], [1]]])
+    assert engine.stats["extends"] >= 1 and all(c.routes is None for tr in out for _, c in tr)
+    moe = TorchEngine(tiny_moe(), max_batch=2)  # (and an MoE engine's pool holds one [slots, k] uint8 per MoE layer)
+    moe.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2), seed=0)
+    assert [tuple(r.shape) + (r.dtype,) for r in moe.pool.routes] == [(moe.pool.k[0].shape[0], 2, torch.uint8)] * 2

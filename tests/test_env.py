@@ -451,3 +451,58 @@ def test_an_env_whose_setup_cannot_start_is_one_line():
             env.load_env("refusing_env:Refuses")
     finally:
         del sys.modules["refusing_env"]
+
+
+# ----------------------------------------------------------------------------- MoE: an episode's routes
+
+def tiny_moe_engine(tok, seed=0):
+    """A tiny glm_moe_dsa-shaped model (tests/test_train.py's tiny_moe: MLA, a dense first layer, then two MoE layers,
+    top-2 of 8 experts and a shared one, DSA top-4) on this tokenizer, weights sharper than the init (routes far
+    from ties), in an engine of 4 rows."""
+    torch.manual_seed(seed)
+    cfg = GLMConfig(model_type="glm_moe_dsa", vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=3,
+                    num_heads=4, num_kv_heads=4, max_position_embeddings=256,
+                    mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+                    moe=dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                             n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                             mlp_layer_types=["dense", "sparse", "sparse"]),
+                    dsa={"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})
+    model = GLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return TorchEngine(model.eval(), max_batch=4)
+
+
+def test_an_moe_episode_carries_the_routes_of_every_position_of_its_trajectory(monkeypatch):
+    """Multi-turn episodes on an MoE engine (run_episodes' session loop): Episode.routes holds one row per position
+    the trajectory fed, prompt, model and env tokens alike (all but its last sampled token): its first turn's rows
+    are exactly that turn's completion's routes, and every row is the experts a full fp32 forward of the whole
+    trajectory chooses, every MoE layer routed from the prompt's last token on (the later turns extend their parked
+    KV: each env token runs every layer), the prompt's earlier tokens routed in every MoE layer but the last (the
+    prefill runs its last block at the prompt's last token only)."""
+    from model import Routing, no_route
+    turns = []
+    model_turn = env.model_turn
+    monkeypatch.setattr(env, "model_turn", lambda ep, c: turns.append((ep.index, c)) or model_turn(ep, c))
+    tok = tool_tokenizer()
+    engine = tiny_moe_engine(tok)
+    limits = Limits(max_new_tokens=8, max_total_tokens=120, max_turns=3)
+    eps, order, _, _ = play(Scripted, [{"prompt": "a"}, {"prompt": "bb"}, {"prompt": "c"}], limits, tok=tok, engine=engine)
+    assert sorted(order) == [0, 1, 2] and max(ep.turns for ep in eps) >= 2 and engine.stats["extends"] >= 1
+    n_moe, k, NO = 2, 2, no_route(torch.uint8)
+    for ep in eps:
+        assert ep.failure is None and ep.turns == sum(i == ep.index for i, _ in turns)
+        ids = ep.prompt + ep.response
+        assert ep.routes.shape == (len(ids) - 1, n_moe, k) and ep.routes.dtype == torch.uint8
+        first = next(c for i, c in turns if i == ep.index)
+        assert torch.equal(ep.routes[:len(first.routes)], first.routes)
+        assert len(first.routes) == len(ep.prompt) + len(first.token_ids) - 1 < len(ep.routes) or ep.turns == 1
+        r = Routing(record=True)
+        with torch.no_grad():
+            engine.model(torch.tensor([ids[:-1]]), routing=r)
+        want = torch.stack(r.chosen)[:, 0].permute(1, 0, 2)
+        ran = torch.ones(len(ids) - 1, n_moe, dtype=torch.bool)
+        ran[:len(ep.prompt) - 1, -1] = False
+        assert torch.equal((ep.routes != NO).all(-1), ran) and torch.equal((ep.routes != NO).any(-1), ran)
+        assert torch.equal(ep.routes.sort(-1).values[ran], want.sort(-1).values[ran])

@@ -293,3 +293,28 @@ def test_a_request_waits_for_a_landing_turns_kv_instead_of_taking_blocks_that_ar
     assert s.landing == 0 and list(s.parked) == ["a"]
     assert s.admit(version=0) == [big] and len(big.blocks) == 4 and not s.parked
     books_balance(s, 4)
+
+
+# ----------------------------------------------------------------------------- MoE: routes of a context
+
+def test_extend_routes_keeps_each_positions_first_record():
+    """extend_routes(old, new), [positions, n_moe, k] each: a side that is None gives the other (both None: None);
+    positions `old` holds keep old's routes whatever `new` says there (the forward that first ran a token wins: a
+    re-prefill under newer weights does not rewrite them), and only a longer `new` adds its later positions."""
+    import torch
+    from machinery.scheduler import extend_routes
+    old = torch.arange(3 * 2 * 2, dtype=torch.uint8).view(3, 2, 2)
+    new = (100 + torch.arange(5 * 2 * 2, dtype=torch.uint8)).view(5, 2, 2)  # disagrees with old everywhere
+    assert extend_routes(None, None) is None
+    assert extend_routes(None, new) is new and extend_routes(old, None) is old
+    got = extend_routes(old, new)
+    assert got.shape == (5, 2, 2) and got.dtype == torch.uint8
+    assert torch.equal(got[:3], old) and torch.equal(got[3:], new[3:])
+    assert torch.equal(extend_routes(old, new[:3]), old) and torch.equal(extend_routes(old, new[:2]), old)  # no longer
+    assert torch.equal(extend_routes(new[:2], old), torch.cat((new[:2], old[2:])))
+    # chained, as turns land one after another: every position keeps the earliest record of it
+    third = torch.full((7, 2, 2), 255, dtype=torch.uint8)
+    chained = extend_routes(extend_routes(extend_routes(None, old), new), third)
+    assert torch.equal(chained, torch.cat((old, new[3:], third[5:])))
+    wide = torch.zeros(2, 2, 2, dtype=torch.int16)  # int16 routes (255 experts or more) alike
+    assert extend_routes(wide, torch.ones(4, 2, 2, dtype=torch.int16)).tolist() == [[[0, 0]] * 2] * 2 + [[[1, 1]] * 2] * 2
