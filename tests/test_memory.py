@@ -153,3 +153,92 @@ def test_fp8_generator_weights_and_what_they_free():
     assert bf16["bf16 weights (indexer weights_proj, k_norm fp32)"] - fp8.weight_bytes(TINY) == linears - 4 * blocks
     text = memory_plan(NINE_B, **(RECIPE | {"generator_batch": 256, "kv_cache_tokens": 2**20, "fp8": True})).text(H100)
     assert "fp8 weights save 7.60 GiB" in text and "at most 13% faster" in text
+
+
+# ----------------------------------------------------------------------------- MoE: MLA's latent, experts, routes
+
+import pytest  # noqa: E402
+
+TINY_MOE = GLMConfig(model_type="glm_moe_dsa", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                     num_heads=4, num_kv_heads=4, eos_token_id=[1], pad_token_id=0,
+                     mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+                     moe=dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                              n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                              mlp_layer_types=["dense", "sparse", "sparse"]),
+                     dsa={"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"})  # tests/test_train.py's
+
+
+def moe_hand_counts(c: GLMConfig):
+    """(total parameters, those every copy keeps in fp32: the DSA indexer's weights_proj and k_norm, the routers'
+    weight) of an MLA + MoE model written out from its architecture, independently of model.py. The routers'
+    score-correction bias is a buffer, not a parameter."""
+    h, H, m, e = c.hidden_size, c.num_heads, c.mla, c.moe
+    qk = H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * qk if m.q_lora_rank else h * qk  # q_a, its norm, q_b
+    kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+    attn = q + kv + H * m.v_head_dim * h + 2 * h  # + o_proj, input and post-attention norms
+    d = c.dsa  # GLM-5's indexer (F layers): wq_b from the query latent, wk, k_norm (weight and bias), weights_proj
+    n_F = d.layer_kinds(c.num_layers).count("F") if d else 0
+    indexer = m.q_lora_rank * d.heads * d.head_dim + h * d.head_dim + 2 * d.head_dim + h * d.heads if d else 0
+    dense = 3 * h * c.intermediate_size
+    moe = e.n_routed_experts * h + 3 * e.n_routed_experts * h * e.moe_intermediate_size \
+        + 3 * h * e.moe_intermediate_size * e.n_shared_experts  # router, experts' gate_up + down, shared experts
+    n_moe = e.mlp_layer_types.count("sparse")
+    total = 2 * c.vocab_size * h + h + c.num_layers * attn + n_F * indexer + (c.num_layers - n_moe) * dense + n_moe * moe
+    return total, n_F * (2 * d.head_dim + h * d.heads if d else 0) + n_moe * e.n_routed_experts * h
+
+
+def moe_plan(cfg, **kw):
+    args = dict(learner_gpus=8, parallel="fsdp", micro_batch_tokens=16384, gradient_checkpointing=True,
+                trainable_indexer=False, reference=False, generator_batch=128, generator_max_len=1024 + 8192,
+                max_new_tokens=8192, engine="torch", kv_cache_tokens=147456)
+    return memory_plan(cfg, **(args | kw))
+
+
+def item(items, prefix):
+    (b,) = [b for name, b in items if name.startswith(prefix)]
+    return b
+
+
+@pytest.mark.parametrize("which", ["tiny", "flash"])
+def test_moe_memory_plan_counts_the_latent_the_experts_and_the_routes(which):
+    """An MLA + MoE model (a tiny glm_moe_dsa; GLM-4.7-Flash as config.PUBLISHED has it, 47 layers, the published
+    29.9B parameters) against hand formulas and what the code allocates: the parameter count (a meta-built GLM, and
+    the architecture written out); the KV pool's bytes, each slot holding per layer MLA's bf16 latent (kv_lora_rank +
+    qk_rope_head_dim values), DSA's indexer keys on F layers, and each MoE layer's k uint8 routes (PagedKVCache's own
+    tensors); the learner's MoE routes item; the generator's weights, bf16 but model.FP32_PARAMS (the indexer's small
+    tensors, the routers' weight) in fp32, as model.GLM.cast_ leaves them."""
+    from model import FP32_PARAMS
+    if which == "tiny":
+        cfg = TINY_MOE
+    else:
+        from machinery import config  # (imports transformers: only here)
+        cfg = GLMConfig.from_hf(config.PUBLISHED["GLM-4.7-Flash"])
+    plan = moe_plan(cfg)
+    with torch.device("meta"):
+        model = GLM(cfg)
+    P, P32 = moe_hand_counts(cfg)
+    assert plan.params == sum(p.numel() for p in model.parameters()) == P
+    assert P32 == sum(p.numel() for n, p in model.named_parameters() if n.endswith(FP32_PARAMS))
+    if which == "flash":
+        assert cfg.num_layers == 47 and cfg.model_type == "glm4_moe_lite" and 29.9e9 < P < 30.0e9
+    n_moe, k = len(cfg.moe_layers), cfg.moe.num_experts_per_tok
+    assert n_moe == cfg.num_layers - 1  # (both: the first layer dense)
+    slots = (147456 // 16 + 1) * 16  # the budget's blocks and the scratch one
+    n_F = cfg.dsa.layer_kinds(cfg.num_layers).count("F") if cfg.dsa else 0
+    per_slot = 2 * (cfg.num_layers * (cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim)
+                    + n_F * (cfg.dsa.head_dim if cfg.dsa else 0)) + n_moe * k * 1
+    pool = PagedKVCache(cfg, 2, 16, device="meta", dtype=torch.bfloat16)  # what the engine's pool allocates per slot
+    real = sum(t.numel() * t.element_size() for t in pool.k + pool.v + [t for t in pool.index_k if t is not None] + pool.routes)
+    assert real == 3 * 16 * per_slot and pool.v == [] and all(r.dtype == torch.uint8 for r in pool.routes)
+    assert item(plan.generator, "paged KV pool bf16") == slots * per_slot and plan.settings["kv_token"] == per_slot
+    assert any(f"each slot's routes ({n_moe * k} B)" in name for name, _ in plan.generator)
+    routes = item(plan.learner, "MoE routes [n_moe, T, k]")  # the micro-batch's replayed and chosen routes
+    assert routes > 0 and routes % (n_moe * 16384 * k) == 0
+    if which == "tiny":  # (one more meta model: the tiny one only)
+        assert item(moe_plan(cfg, micro_batch_tokens=2 * 16384).learner, "MoE routes") == 2 * routes
+    weights = item(plan.generator, "bf16 weights")
+    assert weights == 2 * P + 2 * P32  # 2 bytes a weight, 4 for the fp32 ones
+    assert weights == sum(p.numel() * p.element_size() for p in model.cast_(torch.bfloat16).parameters())
+    dense = memory_plan(replace(TINY, dsa=None), **RECIPE)  # a dense model: no routes anywhere
+    assert not any("routes" in name for name, _ in dense.learner + dense.generator)
