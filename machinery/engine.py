@@ -180,7 +180,9 @@ class TorchEngine:
         self.max_batch, self.kv_tokens, self.reprefill, self.use_graphs = max_batch, kv_tokens, reprefill, graphs
         self.graphs = None  # DecodeGraphs for the current pool, when graphs
         self.version = 0
-        self.lock = threading.Lock()  # held for one forward or one weight update
+        # held for one forward or one weight update (re-entrant: with reprefill, an iteration's check of the weights'
+        # version and its forwards hold it together, _step)
+        self.lock = threading.RLock()
         self.call_lock = threading.Lock()  # held for a whole call: its requests own the pool
         self._abort = threading.Event()
         self._params = dict(model.named_parameters())
@@ -379,17 +381,20 @@ class TorchEngine:
         """Grow, admit and prefill, decode one token for every row, read the device once; then the rows
         released one iteration ago land, and the rows that finished in this one are released."""
         self.step_version = self.version  # the weights of this iteration's forwards (each sets it under the lock)
-        if self.reprefill and self.kv_version != self.version:  # new weights: no KV of the old ones survives
+        # With reprefill, the version check and the forwards that rely on it hold the lock together: an update landing
+        # between them would decode new weights over the old weights' KV (a token of neither, and its routes)
+        with self.lock if self.reprefill else contextlib.nullcontext():
+            if self.reprefill and self.kv_version != self.version:  # new weights: no KV of the old ones survives
+                if self.sched.running:
+                    self._retract(len(self.sched.running))  # prefilled again below, under the new weights
+                self.sched.evict(len(self.sched.parked))  # and no turn extends KV of the old weights
+                self.kv_version = self.version
+            self._grow()
+            new = self.sched.admit(self.version)
+            if new:
+                self._prefill(new)
             if self.sched.running:
-                self._retract(len(self.sched.running))  # prefilled again below, under the new weights
-            self.sched.evict(len(self.sched.parked))  # and no turn extends KV of the old weights
-            self.kv_version = self.version
-        self._grow()
-        new = self.sched.admit(self.version)
-        if new:
-            self._prefill(new)
-        if self.sched.running:
-            self._decode()
+                self._decode()
         host = self._read()
         if (host[0] == 2).any():
             raise FloatingPointError(f"generator: non-finite logits at weight version {self.step_version} "
