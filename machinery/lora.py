@@ -210,10 +210,10 @@ def merged(model, dtype=torch.float32):
             delta = (exact - m.weight.float()).norm()
             if delta > 0:  # (untrained adapters, B = 0: no delta to lose)
                 errors.append(float((exact.to(dtype).float() - exact).norm() / delta))
-    with torch.device("meta"):
-        out = GLM(model.cfg)
+    with torch.device("meta"):  # cast before the values arrive: model.FP32_PARAMS (and the routers' biases) are
+        out = GLM(model.cfg).cast_(dtype)  # then copied in as they are, not rounded through dtype and back
     out.to_empty(device="cpu").load_state_dict(state)
-    return out.cast_(dtype), sum(errors) / max(1, len(errors))
+    return out, sum(errors) / max(1, len(errors))
 
 
 def export_merged(checkpoint, out_dir, dtype=torch.float32):

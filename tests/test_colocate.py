@@ -148,3 +148,101 @@ def test_a_colocated_engine_is_made_without_weights_and_filled_by_the_first_publ
         out(engine)
     publish(engine, learner, 1)
     assert out(engine) == out(TorchEngine(GLM.from_pretrained(str(tmp_path / "m")), max_batch=2))
+
+
+# ----------------------------------------------------------------------------- an MoE model
+# A tiny GLM-5-shaped model (glm_moe_dsa: MLA, DSA, layers [dense, sparse, sparse], 4 routed experts top-2 and a
+# shared expert). What the handoff moves is the same (parameters and AdamW state, the experts' [E, ...] tensors and
+# the routers' fp32 weights among them); what is new is a state no publish carries: the routers' score-correction
+# biases are buffers, frozen, which every generator loads from the checkpoint (from_pretrained, weights=False too).
+# Every engine below is built from the learner's own seed, as a real one loads the learner's checkpoint.
+
+MOE = dict(model_type="glm_moe_dsa", vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
+           num_kv_heads=4, dsa=DSA, mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                             v_head_dim=8),
+           moe=dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                    routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"]))
+
+
+def tiny_moe(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = GLM(GLMConfig(**MOE))
+    with torch.no_grad():  # the routers' biases away from zero: a generator without them would route otherwise
+        for name, b in model.named_buffers():  # (on bf16's grid: GLM.cast_ rounds model.FP32_PARAMS through dtype)
+            b.add_(torch.randn_like(b) * 0.5).copy_(b.bfloat16())
+    return model.cast_(dtype)
+
+
+def moe_out(engine):
+    """Tokens, logprobs and (once the engine records them) each completion's routes."""
+    return [(c.token_ids, c.logprobs, None if c.routes is None else c.routes.tolist())
+            for c in engine.generate(PROMPTS, SAMPLING, seed=5)]
+
+
+def test_an_moe_handoff_frees_and_restores_both_halves_bit_for_bit():
+    """As the dense test above, with the MoE model: the experts' [E, ...] tensors, the routers' fp32 weights and their
+    AdamW state leave and come back bit for bit; a released engine refilled by a publish generates (tokens,
+    logprobs, routes) as an engine never released, with the routers' biases, which no publish carries, intact."""
+    learner = tiny_moe()
+    optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-2)
+    step(learner, optimizer)
+    engine = TorchEngine(tiny_moe(torch.bfloat16), max_batch=2)
+    assert engine._params["layers.1.mlp.gate.weight"].dtype == torch.float32
+    publish(engine, learner, 1)
+    before = moe_out(engine)
+    hand = Handoff(engine, learner, optimizer, torch.device("cpu"), offload=True)
+    saved = [t.clone() for t in offloaded_tensors(learner, optimizer)]
+    experts = learner.layers[1].mlp.experts.gate_up_proj
+    assert any(t.data_ptr() == experts.data_ptr() for t in offloaded_tensors(learner, optimizer))
+
+    hand.to_generator()
+    assert all(t.untyped_storage().nbytes() == 0 for t in offloaded_tensors(learner, optimizer))
+    assert moe_out(engine) == before
+
+    hand.to_learner()
+    assert all(p.untyped_storage().nbytes() == 0 for p in engine._params.values())
+    bias = engine.model.layers[1].mlp.gate.e_score_correction_bias  # a buffer: not released, not published
+    assert torch.equal(bias, learner.layers[1].mlp.gate.e_score_correction_bias) and bias.abs().sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(offloaded_tensors(learner, optimizer), saved))
+    step(learner, optimizer)
+
+    publish(engine, learner, 2)
+    reference = TorchEngine(tiny_moe(torch.bfloat16), max_batch=2)
+    publish(reference, learner, 2)
+    assert moe_out(engine) == moe_out(reference) != before
+
+
+def test_a_colocated_moe_engine_made_without_weights_loads_the_routers_biases(tmp_path):
+    """make_engine(empty=True) with an MoE checkpoint: no parameter read or kept, but the routers' score-correction
+    biases (buffers) read from the checkpoint, since no publish brings them; after the first publish it generates
+    what an engine loaded from the directory does."""
+    learner = tiny_moe()
+    learner.save_pretrained(str(tmp_path / "m"))
+    empty = GLM.from_pretrained(str(tmp_path / "m"), weights=False)
+    assert all(p.untyped_storage().nbytes() == 0 for p in empty.parameters())
+    for name, b in learner.named_buffers():
+        assert torch.equal(empty.get_buffer(name), b), name
+    engine = TorchEngine(empty, max_batch=2)
+    publish(engine, learner, 1)
+    assert moe_out(engine) == moe_out(TorchEngine(GLM.from_pretrained(str(tmp_path / "m")), max_batch=2))
+
+
+def test_with_lora_an_moe_engine_decodes_on_the_learners_base_itself():
+    """lora.share_base with an MoE model: the engine's base weights (experts and routers included) are the learner's
+    tensors; an adapters-only publish after a release gives the tokens of an engine with its own full copy."""
+    cfg = LoRAConfig(rank=4)
+    learner = lora.add(tiny_moe(), cfg)
+    for _, p in lora.adapter_named(learner):
+        p.data.normal_(0, 0.1)
+    engine = TorchEngine(lora.add(tiny_moe(), cfg), max_batch=2)
+    assert lora.share_base(engine, learner)
+    assert engine._params["layers.1.mlp.experts.down_proj"].data_ptr() == learner.layers[1].mlp.experts.down_proj.data_ptr()
+    engine.update_weights(lora.adapter_named(learner), 1)
+    copy = TorchEngine(lora.add(tiny_moe(), cfg), max_batch=2)
+    publish(copy, learner, 1)
+    want = moe_out(copy)
+    assert moe_out(engine) == want
+    engine.release()
+    assert set(engine.released) == {n for n, _ in lora.adapter_named(learner)}
+    engine.update_weights(lora.adapter_named(learner), 2)
+    assert moe_out(engine) == want

@@ -710,3 +710,29 @@ def test_weight_bytes_moe():
             expect += p.numel() * (4 if name.endswith(MODEL_FP32) else 2)
     expect += 4 * 4 * 2  # two routers' e_score_correction_bias [4], fp32
     assert fp8.weight_bytes(cfg) == actual == expect
+
+
+@NEEDS_EXPERTS_CALL
+def test_an_fp8_moe_engine_decodes_as_full_forwards_of_its_model():
+    """rollout.quantization: fp8 with the MoE model: the learner's fp8 publish fills an engine whose linears and
+    experts are fp8 (its own weights scrambled first; the routers' biases, buffers no publish carries, its own from the
+    same checkpoint); greedy decoding (prefill, then MLA's absorbed paged decode, which reads kv_b_proj unquantized,
+    and FP8Experts per step) gives the tokens and logprobs of a loop of full forwards of that fp8 model (fp32: 1e-5)."""
+    from machinery import parallel
+    from machinery.engine import SamplingParams, TorchEngine
+    learner = tiny_moe()
+    gen = fp8.quantize_model_(tiny_moe().eval())
+    with torch.no_grad():
+        for p in gen.parameters():
+            p.copy_(torch.zeros_like(p))
+    engine = TorchEngine(gen, max_batch=2)
+    engine.update_weights(parallel.full_weights(learner, torch.float32, "fp8"), 1)
+    prompts, lengths = [[5, 6, 7, 8, 9], [3, 4], [1] * 17], [8, 3, 12]
+    outs = engine.generate(prompts, [SamplingParams(temperature=0, max_new_tokens=n) for n in lengths])
+    for p, n, out in zip(prompts, lengths, outs):
+        assert len(out.token_ids) == n
+        with torch.no_grad():
+            logp = gen(torch.tensor([p + out.token_ids]))[0, len(p) - 1:-1].log_softmax(-1)  # [n, V]
+        chosen = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        assert (logp.max(-1).values - chosen <= 1e-5).all()
+        assert out.logprobs == pytest.approx(chosen.tolist(), abs=1e-5)

@@ -285,3 +285,23 @@ def test_moe_adapters_load_in_peft_onto_transformers(targets, tmp_path):
     with torch.no_grad():
         got, want = hf(IDS).logits, model(IDS)
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_an_moe_engine_decodes_unmerged_lora_as_the_full_forward():
+    """An engine holding the GLM-5-shaped base with zero adapters takes an adapters-only publish and decodes greedily
+    (prefill, then the paged decode: MLA's absorbed path, which reads kv_b_proj as a matrix, so its adapter must come
+    in through LoRALinear.matrix()): the tokens and logprobs of a float64 full forward of the learner's model (fp32
+    engine: 1e-5)."""
+    from machinery.engine import SamplingParams, TorchEngine
+    cfg = LoRAConfig(rank=4, alpha=8.0)
+    learner = trained(lora.add(tiny_moe(), cfg))
+    engine = TorchEngine(lora.add(tiny_moe(), cfg))
+    engine.update_weights([(n, p.detach()) for n, p in lora.adapter_named(learner)], version=1)
+    ref = lora.add(tiny_moe().double(), cfg)
+    ref.load_state_dict({k: v.double() for k, v in learner.state_dict().items()})
+    (out,) = engine.generate([[3, 9, 27, 4]], SamplingParams(temperature=0, max_new_tokens=12))
+    with torch.no_grad():
+        logp = ref(torch.tensor([[3, 9, 27, 4] + out.token_ids]))[0, 3:-1].log_softmax(-1)
+    chosen = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert (logp.max(-1).values - chosen <= 1e-6).all()
+    assert out.logprobs == pytest.approx(chosen.tolist(), abs=1e-5)
