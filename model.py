@@ -1240,7 +1240,8 @@ class LatentAttention(Attention):
         idx, ok = selected if self.kind is not None and selected is not None else (keys, valid)
         K = idx.shape[1]
         lat = cache.k[self.layer].index_select(0, idx.flatten()).view(B, K, -1)  # [B, K, r + dr]
-        w = self.kv_b_proj.weight.view(H, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        b = self.kv_b_proj  # (a LoRA linear: its weight with the adapters merged, lora.LoRALinear.matrix)
+        w = (b.matrix() if hasattr(b, "matrix") else b.weight).view(H, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         q_nope, q_rope = q[:, 0].split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)  # [B, H, nope], [B, H, dr]
         q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w[:, :m.qk_nope_head_dim].to(q.dtype))  # [B, H, r]
         qa = torch.cat([q_lat, q_rope.to(q_lat.dtype)], -1)[:, None]  # [B, 1, H, r + dr]: H queries, one key head
@@ -1329,6 +1330,11 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
 
+    def forward(self, x, idx, w):
+        """x [N, hidden], idx [N, k] expert ids, w [N, k] their weights -> [N, hidden] (kernels/moe.py; an fp8
+        generator swaps this module for fp8.FP8Experts)."""
+        return moe_kernels.experts_forward(x, idx, w, self.gate_up_proj, self.down_proj)
+
 
 class MoE(nn.Module):
     def __init__(self, cfg: GLMConfig, layer: int):
@@ -1353,8 +1359,7 @@ class MoE(nn.Module):
             same = (ids.sort(-1).values == r.long().sort(-1).values).all(-1)
             agree = torch.stack([(same & replayed).sum(), replayed.sum()])
             ids = torch.where(replayed[:, None], r.long(), ids) if apply else ids
-        out = moe_kernels.experts_forward(flat, ids, self.gate.weigh(scores, ids), self.experts.gate_up_proj,
-                                          self.experts.down_proj)
+        out = self.experts(flat, ids, self.gate.weigh(scores, ids))
         return (out + self.shared_experts(flat)).view(B, T, H), ids.view(B, T, ids.shape[-1]), agree
 
     def routed(self, x, routing: Routing | None, keep, T, cache=None):

@@ -533,12 +533,6 @@ import model as model_mod  # noqa: E402
 from kernels import moe as moe_kernels  # noqa: E402
 from model import FP32_PARAMS as MODEL_FP32  # noqa: E402
 
-# model.MoE must compute its experts as a module call (self.experts(x, ids, weights)) for FP8Experts to take
-# model.Experts' place; until model.py does, quantize_model_ refuses an MoE model and these tests are expected to fail
-NEEDS_EXPERTS_CALL = pytest.mark.xfail(model_mod.Experts.forward is torch.nn.Module.forward, strict=True,
-                                       raises=NotImplementedError,
-                                       reason="model.MoE reads its experts' tensors directly")
-
 MOE = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
            routed_scaling_factor=2.5, mlp_layer_types=["dense", "sparse", "sparse"])
 
@@ -623,7 +617,6 @@ def test_fp8_experts_equal_a_token_by_token_loop_of_fp8_linears(dtype):
     check(got, ref, tol, wrong, what=f"FP8Experts {dtype}")
 
 
-@NEEDS_EXPERTS_CALL
 def test_quantize_model_moe_replaces_linears_and_experts_only():
     """quantize_model_ on the bf16 generator of a tiny MoE model: exactly MOE_QUANTIZED in fp8 (linears as FP8Linear,
     experts as FP8Experts, each with its scales), everything else as it was (the router and its bias fp32, kv_b_proj
@@ -666,7 +659,6 @@ def test_quantize_model_moe_replaces_linears_and_experts_only():
     assert same >= 0.85 * sum(x.shape[0] * x.shape[1] for x in ra.chosen)
 
 
-@NEEDS_EXPERTS_CALL
 def test_meta_moe_generator_filled_from_the_learners_fp8_publish():
     """The engine's path with an MoE model: a generator built on meta, cast, quantized, allocated, then filled by name
     from the learner's publish (parallel.full_weights(..., bfloat16, "fp8"): each quantized weight cast to bf16, then
@@ -712,7 +704,6 @@ def test_weight_bytes_moe():
     assert fp8.weight_bytes(cfg) == actual == expect
 
 
-@NEEDS_EXPERTS_CALL
 def test_an_fp8_moe_engine_decodes_as_full_forwards_of_its_model():
     """rollout.quantization: fp8 with the MoE model: the learner's fp8 publish fills an engine whose linears and
     experts are fp8 (its own weights scrambled first; the routers' biases, buffers no publish carries, its own from the
