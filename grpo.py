@@ -22,8 +22,9 @@ pi_prox in value but carrying the gradient. The clipped ratio is rho = pi_theta 
 sampled, as PPO's surrogate requires. (Decoupled PPO, as in AReaL, clips pi_theta / pi_prox and weights
 by pi_prox / pi_gen; with one step per batch that clip can never bind, since pi_theta = pi_prox, and
 nothing would stop a stale batch from pushing the policy far from its sampler.) Where the clip is not
-active the gradient is A * rho * grad log pi_theta = A * w * grad log pi_theta, w = pi_prox / pi_gen: the
-importance weight is already in it. The off-policy corrections act on that mismatch w through c:
+active the ascent direction (minus the loss's gradient) is A * rho * grad log pi_theta = A * w * grad log
+pi_theta, w = pi_prox / pi_gen: the importance weight is already in it. The off-policy corrections act on that
+mismatch w through c:
   none    c = 1;
   TIS     c = min(w, cap) / w: the weight w becomes min(w, cap) (truncated importance sampling);
   IcePop  c = 0 where w is outside [1/beta, beta] (the mismatch is too large to trust), else 1, so

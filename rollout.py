@@ -31,7 +31,7 @@ groups them. Every trajectory is an episode of an env, single-turn math included
                        +-------------------------------------------------------------- learner
 
 Staleness, told once (other files say "at most max_staleness versions old" and point here). The learner's
-weight version v counts its optimizer steps, and it trains batch i at step i. The gate lets the generator
+weight version v counts its RL steps (a skipped step too), and it trains batch i at step i. The gate lets the generator
 start batch i only once the learner has opened it at version >= i - max_staleness (Generator.open, after the
 step's publish, eval and checkpoint), and versions only grow, so every token of batch i was sampled by weights
 at most max_staleness versions older than the ones that train on it. max_staleness 0 is synchronous RL; 1 (the
@@ -228,7 +228,8 @@ class Generator:
 
     def open(self, version: int):
         """The staleness gate: batches up to version + max_staleness may start. The learner opens it after its
-        step's eval and checkpoint, so those never share the engine (co-located: the GPU) with a batch."""
+        step's eval and checkpoint, so those never share the engine (co-located: the GPU) with a batch that has not
+        started yet (with rollout.partial_rollout a batch in flight goes on decoding beside them)."""
         with self.gate:
             self.version = version
             self.gate.notify_all()

@@ -20,8 +20,9 @@ One run goes through up to three stages, each skipped when its step count is 0:
                  on a DSA model this is also the sparse stage: top-k attention on, indexer KL on;
   3. rl          asynchronous GRPO. A generator thread (rollout.py) samples and grades groups with its
                  own copy of the weights; the learner pops a batch, trains one step on it and publishes
-                 the new weights. Batch i is sampled by weights i - max_staleness. Co-located (train.colocate)
-                 one GPU serves both in turn, synchronously, each half's memory out during the other's.
+                 the new weights. Batch i is sampled by weights i - max_staleness (rollout.py says when).
+                 Co-located (train.colocate) one GPU serves both in turn, synchronously, each half's memory out
+                 during the other's.
 
 Each process (one per generator/learner GPU pair) generates and trains its own share of the batch; every
 loss below is a partial sum over the global batch's denominator, so the ranks' gradients add up to that of
