@@ -55,6 +55,10 @@ def small_blocks(monkeypatch):
     if not INTERPRETED:
         pytest.skip("triton was imported before TRITON_INTERPRET=1 was set: run this file in its own process")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # dsa.py is the reference: with TRITON_INTERPRET=1, dsa.index_scores / select_topk / sparse_attention would
+    # dispatch to these very kernels (dsa_triton.available() is true on CPU tensors then), and every check below
+    # would hold the kernels to themselves. The tests that mean dsa.py to run on the kernels set it back to True.
+    monkeypatch.setattr(dsa, "USE_TRITON", False)
     monkeypatch.setattr(dsa_triton, "BLOCK_K", 16)
     monkeypatch.setattr(dsa_triton, "BWD_BLOCK_K", 16)
     monkeypatch.setattr(dsa_triton, "SCORE_BLOCK_S", 16)
@@ -539,7 +543,7 @@ def test_engine_on_the_kernels_generates_what_pytorch_does(monkeypatch):
     torch.manual_seed(0)
     m = GLM(GLMConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=16))
-    prompts, sp = [[1, 2, 3], [4, 5], [6]] * 2, engine.SamplingParams(temperature=1.0, max_new_tokens=10)
+    prompts, sp = [[1, 2, 3], [4, 5], [6]] * 2, engine.SamplingParams(temperature=1.0, max_new_tokens=6)
     monkeypatch.setattr(dsa, "USE_TRITON", False)
     ref = engine.TorchEngine(m, max_batch=4).generate(prompts, sp, seed=1)
     monkeypatch.setattr(dsa, "USE_TRITON", True)

@@ -6,6 +6,7 @@ FSDP2, the warm-up stages end to end, and checkpoint/resume with 2 processes.
 
 This file is also the worker of the RL-step test: `torchrun ... tests/test_train.py OUT PARALLEL AGG`."""
 import copy
+import io
 import json
 import math
 import os
@@ -293,15 +294,124 @@ def test_multi_turn_loss_is_the_float64_loss_over_model_tokens_alone(multi_turn,
 # ----------------------------------------------------------------------------- end to end
 
 
-def run_train(run_dir, *overrides, resume=False, wait=True, config=None):
-    cmd = [sys.executable, "train.py", "--config", config or TINY, f"run_dir={run_dir}", *FAST, *overrides]
-    if resume:
-        cmd.append("--resume")
+def run_train(run_dir, *overrides, resume=False, wait=True, config=None, fork=False, cwd=ROOT):
+    """`python train.py --config CONFIG run_dir=RUN_DIR FAST... OVERRIDES` in cwd: waits and checks that it succeeded
+    (the finished process), or wait=False: the running process (Popen's interface). fork=True: forked, not a new
+    interpreter (ForkedTrain)."""
+    args = ["--config", config or TINY, f"run_dir={run_dir}", *FAST, *overrides] + (["--resume"] if resume else [])
+    p = start_train(args, cwd, fork, stdout=subprocess.PIPE if wait else subprocess.DEVNULL)
     if not wait:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return p
+    p = finish(p, 300)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
+
+
+def start_train(args, cwd=ROOT, fork=False, stdout=subprocess.PIPE):
+    """train.py ARGS in cwd, started: a new interpreter (stdout: PIPE, or DEVNULL when nothing reads it while the
+    run goes on), or fork=True a child of the fork server (ForkedTrain, its output in files)."""
+    if fork:
+        return ForkedTrain(args, cwd)
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=cwd, stdout=stdout,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout):
+    """Wait for a started run (killed past timeout): subprocess.run's CompletedProcess."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+# A run forked from a server process that imported train.py (and what a run imports lazily) once, instead of a
+# new interpreter: it skips the interpreter's start and the imports, about half of a FAST run's CPU seconds. The
+# child does what `python train.py ARGS` does (checkpoint.run_main(train.main), with its exit codes, stdout and
+# stderr). The forked children share the server's hash seed and memory layout, so a run that others are held to
+# bit for bit is started as a new interpreter (fork=False): every exact comparison still spans two interpreters.
+FORK_PRELOAD = ["train", "torch._dynamo", "transformers.models.glm4"]
+FORK_CHILD = """
+import os, sys
+os.chdir(cwd)
+os.environ.clear()
+os.environ.update(environ)
+for fd, path in ((1, out), (2, err)):
+    f = os.open(path, os.O_WRONLY)
+    os.dup2(f, fd)
+    os.close(f)
+sys.path[:] = [root] + [p for p in sys.path if p not in ("", root)]  # as `python ROOT/train.py` has it
+import train
+assert os.path.dirname(os.path.abspath(train.__file__)) == root, (train.__file__, root)
+from machinery.checkpoint import run_main
+run_main(lambda: train.main(args))
+"""
+
+
+def fork_server():
+    """multiprocessing's fork server, started once (it lives as long as this process) with FORK_PRELOAD imported from
+    this checkout: PYTHONPATH names it while the server starts (what a child runs sees the environment as it is)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_PRELOAD)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT] + ([before] if before else []))
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return ctx
+
+
+class ForkedTrain:
+    """A forked run (FORK_CHILD) with the part of Popen's interface the tests use."""
+
+    def __init__(self, args, cwd):
+        import tempfile
+        ctx = fork_server()
+        self.args, self._dir = ["train.py", *args], tempfile.TemporaryDirectory(prefix="forked_train_")
+        self._out, self._err = (os.path.join(self._dir.name, name) for name in ("stdout", "stderr"))
+        for path in (self._out, self._err):
+            open(path, "w").close()
+        env = dict(args=list(args), cwd=str(cwd), environ=dict(os.environ), out=self._out, err=self._err, root=ROOT)
+        self._proc = ctx.Process(target=exec, args=(FORK_CHILD, env), daemon=True)  # (exec pickles by name)
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def stderr(self):  # what the run wrote to stderr so far (a finished Popen's stderr.read() gives all of it)
+        with open(self._err) as f:
+            return io.StringIO(f.read())
+
+    @property
+    def returncode(self):
+        return self._proc.exitcode  # like Popen's: -N if signal N ended it
+
+    def poll(self):
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self._proc.join(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, signum):
+        os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        with open(self._out) as f:
+            return f.read(), self.stderr.read()
 
 
 def metrics(run_dir):
@@ -335,7 +445,7 @@ def async_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def sync_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("sync"))
-    run_train(run_dir, "rollout.max_staleness=0")
+    run_train(run_dir, "rollout.max_staleness=0", fork=True)  # (held to others within tolerances only)
     return run_dir
 
 
@@ -391,7 +501,7 @@ def wait_for(cond, proc, timeout=120):
 
 def test_ctrl_c_stops_cleanly(tmp_path):
     run_dir = str(tmp_path / "interrupted")
-    proc = run_train(run_dir, "train.rl_steps=1000", "train.eval_every=0", "train.save_every=1000", wait=False)
+    proc = run_train(run_dir, "train.rl_steps=1000", "train.eval_every=0", "train.save_every=1000", wait=False, fork=True)
     wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
              any(r["stage"] == "rl" and r["step"] > 1 for r in metrics(run_dir)), proc)
     proc.send_signal(signal.SIGINT)
@@ -408,9 +518,8 @@ def test_a_blown_up_run_stops_with_one_line_and_clean_checkpoints(tmp_path):
     """optim.lr=1e4: the weights overflow within a few RL steps. The run must end with one line naming
     what was non-finite (no traceback), and no checkpoint may hold a non-finite tensor."""
     run_dir = str(tmp_path / "blown")
-    cmd = [sys.executable, "train.py", "--config", TINY, f"run_dir={run_dir}", *FAST, "optim.lr=1e4",
-           "train.rl_steps=30", "train.save_every=1"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = finish(start_train(["--config", TINY, f"run_dir={run_dir}", *FAST, "optim.lr=1e4", "train.rl_steps=30",
+                            "train.save_every=1"], fork=True), 300)
     last = p.stderr.strip().splitlines()[-1] if p.returncode else ""
     if p.returncode:  # stopped: one line, no traceback
         assert last.startswith("error:") and ("non-finite" in last or "not finite" in last), p.stderr[-2000:]
@@ -428,7 +537,7 @@ def test_every_optional_path_runs(tmp_path):
     run_dir = str(tmp_path / "options")
     run_train(run_dir, "grpo.kl_coef=0.01", "grpo.kl_guard=true", "grpo.kl_guard_threshold=1e-9", "grpo.tis_cap=2",
               "grpo.dual_clip=3", "grpo.entropy_coef=0.01", "grpo.agg=token-mean",
-              "rollout.dynamic_sampling=true", "rollout.partial_rollout=true", "train.dsa_warmup_steps=0")
+              "rollout.dynamic_sampling=true", "rollout.partial_rollout=true", "train.dsa_warmup_steps=0", fork=True)
     rl = [r for r in metrics(run_dir) if r["stage"] == "rl" and r["step"] > 0]
     assert len(rl) == 4 and os.path.isfile(os.path.join(run_dir, "reference", "config.json"))
     assert all("train/kl" in r and "train/is_weight_mean" in r and "train/dual_clip_frac" in r for r in rl)
@@ -467,9 +576,9 @@ def test_an_fp8_run_resumes_exactly_and_colocated_is_the_same_run(sync_run, tmp_
     one is not: with max_staleness 0 and the same thread counts (parallel.set_threads) they are the same run."""
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     fp8 = ["rollout.max_staleness=0", "rollout.quantization=fp8", "train.dsa_warmup_steps=0", "train.sft_steps=0"]
-    run_train(whole, *fp8)
-    run_train(split, *fp8, "train.rl_steps=2", "train.colocate=true")
-    run_train(split, *fp8, "train.rl_steps=4", resume=True)
+    run_train(whole, *fp8)  # a new interpreter; the stopped and resumed run forked (ForkedTrain)
+    run_train(split, *fp8, "train.rl_steps=2", "train.colocate=true", fork=True)
+    run_train(split, *fp8, "train.rl_steps=4", resume=True, fork=True)
     assert_same_run(split, whole)
     rl = [r for r in metrics(split) if r["stage"] == "rl" and r["step"] > 0]
     assert all(r["colocate/offloaded_gib"] > 0 and r["perf/to_learner_s"] >= 0 for r in rl)  # the handoff ran
@@ -486,9 +595,9 @@ def test_a_lora_run_trains_adapters_on_the_frozen_base_and_resumes_exactly(tmp_p
     args = ["model.lora={rank: 4}", "rollout.max_staleness=0", "grpo.kl_coef=0.01", "grpo.entropy_coef=0.01"]  # (moves B
     # whatever the rewards: the tiny warm-up here solves nothing)
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    run_train(whole, *args)
-    run_train(split, *args, "train.rl_steps=2", "train.colocate=true")  # co-located: the engine decodes on the
-    run_train(split, *args, "train.rl_steps=4", resume=True)  # learner's own base tensors, the adapters offloaded
+    run_train(whole, *args)  # a new interpreter; the stopped and resumed run forked (ForkedTrain)
+    run_train(split, *args, "train.rl_steps=2", "train.colocate=true", fork=True)  # co-located: the engine decodes on
+    run_train(split, *args, "train.rl_steps=4", resume=True, fork=True)  # the learner's base tensors, adapters offloaded
     assert_same_run(split, whole)
     last, sft_end = checkpoint.checkpoints(whole)[-1], os.path.join(whole, "checkpoints", "step_000006")
     assert {"adapter_config.json", "adapter_model.safetensors", "state.pt"} <= set(os.listdir(last))
@@ -517,15 +626,15 @@ def test_kill_anywhere_and_resume_is_exact(async_run, tmp_path):
             proc.send_signal(signal.SIGKILL)
             proc.wait()
             kills += 1
-    else:
-        run_train(run_dir, "rollout.max_staleness=1", resume=True)
+    else:  # (the kills above hit new interpreters, on the schedule their start-up was timed for; the last resume
+        run_train(run_dir, "rollout.max_staleness=1", resume=True, fork=True)  # is forked: ForkedTrain)
     assert proc.returncode in (0, -signal.SIGKILL), proc.stderr.read()[-2000:]
     assert_same_run(run_dir, async_run)
 
 
 def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(async_run, tmp_path):
     run_dir = str(tmp_path / "term")
-    proc = run_train(run_dir, "rollout.max_staleness=1", wait=False)
+    proc = run_train(run_dir, "rollout.max_staleness=1", wait=False, fork=True)  # (async_run: a new interpreter)
     wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
              any(r["stage"] == "rl" and r["step"] == 1 for r in metrics(run_dir)), proc)
     proc.send_signal(signal.SIGTERM)
@@ -535,7 +644,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(async_run,
     assert f"stopped by SIGTERM after rl step {stopped['step']}, checkpoint saved" in err
     state = torch.load(os.path.join(checkpoint.checkpoints(run_dir)[-1], "state.pt"), weights_only=False)
     assert (state["stage"], state["step"]) == ("rl", stopped["step"])  # saved at the step it stopped after
-    run_train(run_dir, "rollout.max_staleness=1", resume=True)
+    run_train(run_dir, "rollout.max_staleness=1", resume=True, fork=True)
     assert_same_run(run_dir, async_run)
 
 
@@ -565,13 +674,13 @@ def test_a_multi_turn_run_with_the_calculator_resumes_exactly(tool_run, tmp_path
               for line in open(os.path.join(tool_run, "rollouts", f))]  # the dump: a sampled fraction, turn by turn
     assert dumped and any({"model", "env"} <= {t["role"] for t in d["turns"]} and d["tool_io"] for d in dumped)
     run_dir = str(tmp_path / "term")
-    proc = run_train(run_dir, *TOOL_FAST, config=TOOL, wait=False)
-    wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and
-             any(r["stage"] == "rl" and r["step"] == 1 for r in metrics(run_dir)), proc)
+    proc = run_train(run_dir, *TOOL_FAST, config=TOOL, wait=False, fork=True)  # (tool_run: a new interpreter)
+    wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and  # (80 SFT steps first: the
+             any(r["stage"] == "rl" and r["step"] == 1 for r in metrics(run_dir)), proc, timeout=300)  # run's bound)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    run_train(run_dir, *TOOL_FAST, config=TOOL, resume=True)
+    run_train(run_dir, *TOOL_FAST, config=TOOL, resume=True, fork=True)
     assert_same_run(run_dir, tool_run)
 
 
@@ -599,12 +708,10 @@ def test_the_readme_env_runs_unchanged_and_a_crashing_tool_is_survived(tmp_path)
     (tmp_path / "facts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in README_ENV_DATA))
     for cls in ("Lookup", "Flaky"):
         run_dir = str(tmp_path / cls)
-        p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, f"run_dir={run_dir}", *FAST,
-                            "data.env=my_envs:" + cls, f"data.train={tmp_path / 'facts.jsonl'}",
-                            f"data.eval={tmp_path / 'facts.jsonl'}", "data.response_key=solution", "rollout.max_prompt_tokens=40",
-                            "model.init.max_position_embeddings=64", "rollout.max_total_tokens=24", "train.eval_max_new_tokens=16"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
+        p = run_train(run_dir, "data.env=my_envs:" + cls, f"data.train={tmp_path / 'facts.jsonl'}",
+                      f"data.eval={tmp_path / 'facts.jsonl'}", "data.response_key=solution", "rollout.max_prompt_tokens=40",
+                      "model.init.max_position_embeddings=64", "rollout.max_total_tokens=24", "train.eval_max_new_tokens=16",
+                      cwd=tmp_path, fork=True)
         rl = [r for r in metrics(run_dir) if r["stage"] == "rl" and "rollout/turns" in r]
         assert len(rl) == 4 and all(r["rollout/env_failures"] == 0 for r in rl) == (cls == "Lookup")
         if cls == "Flaky":
@@ -612,17 +719,26 @@ def test_the_readme_env_runs_unchanged_and_a_crashing_tool_is_survived(tmp_path)
             assert os.listdir(os.path.join(run_dir, "env_failures"))
 
 
-def test_resume_reads_the_runs_own_config(tmp_path):
+@pytest.fixture(scope="module")
+def short_rl_run(tmp_path_factory):
+    """Two RL steps, no warm-up, greedy evals (test_greedy_eval) at a sampling temperature that is not the recipe's
+    (test_resume_reads_the_runs_own_config resumes a copy of it)."""
+    run_dir = str(tmp_path_factory.mktemp("short"))
+    run_train(run_dir, "rollout.temperature=1.0", "train.eval_temperature=0", "train.rl_steps=2",
+              "train.dsa_warmup_steps=0", "train.sft_steps=0", fork=True)
+    return run_dir
+
+
+def test_resume_reads_the_runs_own_config(short_rl_run, tmp_path):
     """--resume continues with run_dir/config.yaml: the recipe file and its defaults do not come back;
     an override may change only what is safe mid-run, anything else is refused naming both values."""
     run_dir = str(tmp_path / "own")
-    run_train(run_dir, "rollout.temperature=1.0", "train.rl_steps=2", "train.dsa_warmup_steps=0", "train.sft_steps=0")
+    shutil.copytree(short_rl_run, run_dir)  # (run_dir may change on resume)
     assert train_error(f"run_dir={run_dir}", "--resume", "rollout.temperature=2.0") == (
         f"error: --resume: rollout.temperature is 1.0 in {run_dir}/config.yaml but 2.0 on the command line; "
         "a resumed run may change only " + ", ".join(sorted(config.SAFE_ON_RESUME - {"run_dir"})))
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", "--resume", "train.rl_steps=3"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)  # no FAST: the saved config has it
-    assert p.returncode == 0, p.stderr[-2000:]
+    p = finish(start_train([f"run_dir={run_dir}", "--resume", "train.rl_steps=3"], fork=True), 300)  # no FAST: the
+    assert p.returncode == 0, p.stderr[-2000:]  # saved config has it
     rows = metrics(run_dir)
     assert [r["step"] for r in rows if r["stage"] == "rl"] == [0, 1, 2, 3]
     saved = config.load_config(os.path.join(run_dir, "config.yaml"))
@@ -634,13 +750,13 @@ def test_a_run_without_a_checkpoint_restarts_fresh(tmp_path):
     and says so (the old metrics are dropped, not appended to)."""
     run_dir = str(tmp_path / "early")
     args = ("train.dsa_warmup_steps=0", "train.sft_steps=6", "train.rl_steps=0", "train.save_every=1000")
-    proc = run_train(run_dir, *args, wait=False)
+    proc = run_train(run_dir, *args, wait=False, fork=True)
     wait_for(lambda: os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and metrics(run_dir), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not checkpoint.checkpoints(run_dir)
     assert "already holds a run; pass --resume to continue it" in train_error(f"run_dir={run_dir}")
-    p = run_train(run_dir, *args, resume=True)
+    p = run_train(run_dir, *args, resume=True, fork=True)
     assert f"{run_dir} has no checkpoint yet: starting it fresh" in p.stdout
     assert [(r["stage"], r["step"]) for r in metrics(run_dir)] == [("sft", s) for s in range(1, 7)]
 
@@ -673,17 +789,15 @@ def from_field(response, example):  # the whole JSONL object arrives, extra fiel
 """
 
 
-def test_custom_reward_sees_every_jsonl_field(tmp_path):
+def test_custom_reward_sees_every_jsonl_field(tmp_path, monkeypatch):
     (tmp_path / "my_reward.py").write_text(REWARD_MODULE)
     rows = [{"question": f"{a}+{a}=", "answer": str(2 * a), "bonus": 0.25, "worked": f"\\boxed{{{2 * a}}}"} for a in range(8)]
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     run_dir = str(tmp_path / "r")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--config", TINY, f"run_dir={run_dir}", *FAST,
-                        f"data.train={path}", f"data.eval={{held_out: {path}, arith: synthetic}}", "data.prompt_key=question",
-                        "data.label_key=answer", "data.response_key=worked", "data.reward=my_reward:from_field",
-                        "train.eval_greedy=true"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
+    p = run_train(run_dir, f"data.train={path}", f"data.eval={{held_out: {path}, arith: synthetic}}",
+                  "data.prompt_key=question", "data.label_key=answer", "data.response_key=worked",
+                  "data.reward=my_reward:from_field", "train.eval_greedy=true", cwd=tmp_path, fork=True)
     rows = metrics(run_dir)
     assert [r["step"] for r in rows if r["stage"] == "sft"] == [1, 2, 3, 4]  # SFT on the file's own responses
     rl = [r for r in rows if r["stage"] == "rl" and r["step"] > 0]
@@ -692,15 +806,18 @@ def test_custom_reward_sees_every_jsonl_field(tmp_path):
     for key in ("eval/held_out/accuracy", "eval/held_out/greedy_accuracy", "eval/arith/accuracy", "eval/arith/pass@2"):
         assert key in last, key
     assert last["eval/held_out/accuracy"] == 0.25 and "final held-out accuracy: held_out/accuracy 25.0%" in p.stdout
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"run_dir={tmp_path / 'x'}",
-                        "data.reward=my_reward:nope"], cwd=tmp_path, capture_output=True, text=True)
-    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith("error: data.reward: 'my_reward:nope'")
+    # A name the module lacks: one line, from the same working directory (in this process: train_error)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # data.load_hook adds the working directory
+    try:
+        assert train_error(f"run_dir={tmp_path / 'x'}", "data.reward=my_reward:nope").startswith(
+            "error: data.reward: 'my_reward:nope'")
+    finally:
+        sys.modules.pop("my_reward", None)  # (imported by the check)
 
 
-def test_greedy_eval(tmp_path):
-    run_dir = str(tmp_path / "greedy")
-    run_train(run_dir, "train.eval_temperature=0", "train.dsa_warmup_steps=0", "train.sft_steps=0", "train.rl_steps=1")
-    evals = [r for r in metrics(run_dir) if "eval/synthetic/accuracy" in r]
+def test_greedy_eval(short_rl_run):
+    evals = [r for r in metrics(short_rl_run) if "eval/synthetic/accuracy" in r]  # RL steps 0 and 2
     assert len(evals) == 2 and not any("eval/synthetic/pass@2" in r for r in evals)  # one greedy sample per prompt
 
 
@@ -710,8 +827,17 @@ def test_greedy_eval(tmp_path):
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
 
 
+_FIXED_BATCH = []  # generated once per process: fixed_global_batch hands out copies
+
+
 def fixed_global_batch():
-    """16 samples in 8 groups of 2 from a seeded engine: the same on every process."""
+    """16 samples in 8 groups of 2 from a seeded engine: the same on every process (a fresh copy each call)."""
+    if not _FIXED_BATCH:
+        _FIXED_BATCH.append(_generate_fixed_global_batch())
+    return copy.deepcopy(_FIXED_BATCH[0])
+
+
+def _generate_fixed_global_batch():
     tok = data.make_tiny_tokenizer()
     model = tiny_model()
     engine = TorchEngine(copy.deepcopy(model), max_batch=16)
@@ -756,13 +882,24 @@ def rl_steps_on_fixed_batch(mode, agg):
     return {k: v.clone() for k, v in parallel.full_weights(learner)}
 
 
-@pytest.mark.parametrize("parallel, agg", [("fsdp", "seq-mean-token-mean"), ("ddp", "token-mean")])
-def test_two_processes_match_one_on_the_same_global_batch(parallel, agg, tmp_path):
-    out = str(tmp_path / "weights.pt")
-    p = subprocess.run([*TORCHRUN, "tests/test_train.py", out, parallel, agg], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300, env=os.environ | {"PYTHONPATH": ROOT})  # the worker imports train
+TWO_PROCESS_CASES = [("fsdp", "seq-mean-token-mean"), ("ddp", "token-mean")]
+
+
+@pytest.fixture(scope="module")
+def two_process_weights(tmp_path_factory):
+    """One torchrun (2 processes, one process group) runs every case of the test below, one after the other:
+    {(parallel, agg): rank 0's final weights}."""
+    out = tmp_path_factory.mktemp("two_weights")
+    p = subprocess.run([*TORCHRUN, "tests/test_train.py", str(out), *(f"{m}:{a}" for m, a in TWO_PROCESS_CASES)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"PYTHONPATH": ROOT})  # the worker imports train
     assert p.returncode == 0, p.stderr[-3000:]
-    two = torch.load(out)
+    return {(m, a): torch.load(out / f"{m}-{a}.pt") for m, a in TWO_PROCESS_CASES}
+
+
+@pytest.mark.parametrize("parallel, agg", TWO_PROCESS_CASES)
+def test_two_processes_match_one_on_the_same_global_batch(parallel, agg, two_process_weights):
+    two = two_process_weights[parallel, agg]
     one = rl_steps_on_fixed_batch(parallel, agg)
     start = dict(fixed_global_batch()[0].named_parameters())
     assert any((one[k] - start[k]).abs().max() > 1e-3 for k in one)  # the steps really moved the weights
@@ -771,11 +908,14 @@ def test_two_processes_match_one_on_the_same_global_batch(parallel, agg, tmp_pat
 
 
 def run_procs(run_dir, *overrides, resume=False, launcher="self"):
-    """train.py on 2 processes, started by train.py itself (train.pairs=2) or by torchrun."""
+    """train.py on 2 processes, started by train.py itself (train.pairs=2; that launcher forked, ForkedTrain: the
+    2 processes it starts are new interpreters) or by torchrun."""
     args = ["--config", TINY, f"run_dir={run_dir}", *FAST, "rollout.max_staleness=0", *overrides]
-    cmd = ([sys.executable, "train.py", *args, "train.pairs=2"] if launcher == "self" else
-           [*TORCHRUN, "train.py", *args])
-    p = subprocess.run(cmd + (["--resume"] if resume else []), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    resume = ["--resume"] if resume else []
+    if launcher == "self":
+        p = finish(start_train([*args, "train.pairs=2", *resume], fork=True), 300)
+    else:
+        p = subprocess.run([*TORCHRUN, "train.py", *args, *resume], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     return p
 
@@ -831,9 +971,8 @@ def test_two_processes_killed_and_resumed_end_exactly(two_proc_run, tmp_path):
 def test_a_multi_process_error_is_one_line(tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text("".join(json.dumps({"prompt": "1+1=" * n, "label": "2"}) + "\n" for n in (1, 40)))
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={tmp_path / 'r'}", "train.pairs=2", f"data.eval={path}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and "Traceback" not in p.stderr
+    p = finish(start_train([f"run_dir={tmp_path / 'r'}", "train.pairs=2", f"data.eval={path}"], fork=True), 120)  # (the
+    assert p.returncode == 1 and "Traceback" not in p.stderr  # launcher forked, its 2 processes new interpreters)
     assert [line for line in p.stderr.splitlines() if line.strip()] == [
         f"error: 1 of 2 prompts in {path} are longer than rollout.max_prompt_tokens=32 (the longest has 162 tokens)"]
 
@@ -844,19 +983,19 @@ def test_resume_needs_the_same_number_of_processes(two_proc_run, tmp_path):
     p = subprocess.run([*TORCHRUN[:-1], "--nproc-per-node=1", "train.py", f"run_dir={run_dir}", "--resume"],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "written by 2 processes; resume it with as many (this run has 1)" in p.stderr
-    p = subprocess.run([sys.executable, "train.py", f"run_dir={run_dir}", "train.pairs=1", "--resume"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1].startswith(
+    assert train_error(f"run_dir={run_dir}", "train.pairs=1", "--resume").startswith(  # (in this process)
         f"error: --resume: train.pairs is 2 in {run_dir}/config.yaml but 1 on the command line")
 
 
-if __name__ == "__main__":  # the torchrun worker of test_two_processes_match_one_on_the_same_global_batch
-    torch.distributed.init_process_group("gloo")
+if __name__ == "__main__":  # the torchrun worker of test_two_processes_match_one_on_the_same_global_batch:
+    torch.distributed.init_process_group("gloo")  # tests/test_train.py OUT_DIR PARALLEL:AGG ...
     torch.set_num_threads(1)
-    weights = rl_steps_on_fixed_batch(sys.argv[2], sys.argv[3])
-    if parallel.rank() == 0:
-        torch.save(weights, sys.argv[1])
-    torch.distributed.barrier()  # neither rank tears gloo down while the other still uses it
+    for case in sys.argv[2:]:
+        mode, agg = case.split(":")
+        weights = rl_steps_on_fixed_batch(mode, agg)
+        if parallel.rank() == 0:
+            torch.save(weights, os.path.join(sys.argv[1], f"{mode}-{agg}.pt"))
+        torch.distributed.barrier()  # neither rank tears gloo down while the other still uses it
     torch.distributed.destroy_process_group()
 
 
