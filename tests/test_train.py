@@ -1131,7 +1131,7 @@ def test_an_moe_runs_routes_survive_a_checkpoint_and_resume_exactly(tmp_path):
     metrics and weights as the uninterrupted run, so those routes came back exactly; routing/* logged every step."""
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
     run_train(whole, *FAST_MOE, "rollout.max_staleness=1", config=MOE_CFG)
-    proc = run_train(split, *FAST_MOE, "rollout.max_staleness=1", wait=False, config=MOE_CFG)
+    proc = run_train(split, *FAST_MOE, "rollout.max_staleness=1", wait=False, config=MOE_CFG, fork=True)  # (whole: new)
     wait_for(lambda: os.path.exists(os.path.join(split, "metrics.jsonl")) and
              any(r["stage"] == "rl" and r["step"] == 1 for r in metrics(split)), proc)
     proc.send_signal(signal.SIGTERM)
@@ -1142,7 +1142,7 @@ def test_an_moe_runs_routes_survive_a_checkpoint_and_resume_exactly(tmp_path):
     if state["step"] < 4:  # (a checkpoint after the last step has nothing pending)
         assert pending and all(s.routes is not None and len(s.routes) == len(s.prompt_ids) + len(s.response_ids) - 1
                                for s in pending)
-    run_train(split, *FAST_MOE, "rollout.max_staleness=1", resume=True, config=MOE_CFG)
+    run_train(split, *FAST_MOE, "rollout.max_staleness=1", resume=True, config=MOE_CFG, fork=True)
     assert_same_run(split, whole)
     rl = [r for r in metrics(whole) if r["stage"] == "rl" and r["step"] > 0]
     assert len(rl) == 4 and all(0 <= r["routing/agree"] <= 1 and r["routing/logp_diff_mean_fresh"] >= 0 for r in rl)
