@@ -146,6 +146,9 @@ class Sample:
     # MoE: the experts the generator's forward chose for every position (prompt, model and env tokens), uint8/int16
     # [positions, n_moe, k] (engine.Completion.routes); the learner replays them (model.routing_replay). None: dense
     routes: object = None
+    # on-policy distillation (distill.teacher): the teacher's logprob of each model token, as gen_logprobs' (set by
+    # machinery/teacher.py when the batch is made). None: no teacher
+    teacher_logprobs: list[float] | None = None
 
     def row(self):
         """(prompt + response ids, the (start, length) spans the learner scores: the model's tokens)."""
@@ -174,16 +177,19 @@ class Generator:
 
     def __init__(self, engine, stream, tokenizer, r, sampling: SamplingParams, *, env_cls, seed: int = 0,
                  first_index: int = 0, end: int | None = None, rank: int = 0, world: int = 1, run_dir: str | None = None,
-                 ready: list = ()):
+                 ready: list = (), teacher=None):
         """r: the config's rollout section (config.RolloutConfig: prompts_per_step, n, max_staleness, dynamic
         sampling, truncated, the episodes' limits, ...); sampling: its SamplingParams with the turn's stop ids;
         env_cls: data.env's class, or single_turn(data.reward); run_dir: where env failures' tracebacks and the
         rollout dump go; first_index: the learner's version (on resume: batches before it were trained), end: the
         batch number to stop at (train.rl_steps; None: run until stop()); ready: batches a checkpoint kept; rank and
-        world: this process's share (prompts_per_step / world groups, from examples r::world, the stream's)."""
+        world: this process's share (prompts_per_step / world groups, from examples r::world, the stream's); teacher:
+        on-policy distillation's machinery/teacher.Teacher, which scores each batch before the learner gets it."""
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
         self.prompts_per_step, self.n, self.sampling = r.prompts_per_step // world, r.n, sampling
-        self.max_staleness, self.dynamic_sampling, self.oversample = r.max_staleness, r.dynamic_sampling, r.oversample
+        self.max_staleness, self.oversample, self.teacher = r.max_staleness, r.oversample, teacher
+        # distillation alone gives every token its own advantage: no group is uninformative, none is redrawn
+        self.dynamic_sampling = r.dynamic_sampling and (teacher is None or teacher.outcome)
         self.chat_template, self.streams = r.chat_template, hasattr(engine, "session") or hasattr(engine, "stream")
         self.env_cls, self.limits = env_cls, env.limits_of(r, sampling.max_new_tokens)
         self.seed, self.partial_rollout, self.truncated = seed, r.partial_rollout, r.truncated
@@ -344,6 +350,8 @@ class Generator:
         }
         if not issubclass(self.env_cls, SingleTurn):  # (the reward hook has no close: single-turn rows stay as is)
             metrics["rollout/env_close_failures"] = self.close_failures  # counted apart: they changed no trajectory
+        if self.teacher is not None:  # on-policy distillation: the teacher's logprob of every model token it trains on
+            metrics["perf/teacher_s"] = self.teacher.score(samples)
         if self.dump_fraction > 0 and self.run_dir is not None:
             self._dump(episodes)
         return RolloutBatch(samples, self.index, self.stream.state_dict(), metrics)

@@ -44,6 +44,7 @@ from tqdm import tqdm
 import data
 import grpo
 from machinery import colocate, lora, startup
+from machinery.teacher import load_teacher
 from machinery.checkpoint import Preempted, reference_model, run_main, save_checkpoint
 from machinery.config import LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config
 from machinery.parallel import (Skips, all_gather, autocast, combine_ranks, dummy_rows, full_weights, global_sum, learner_backward,
@@ -240,6 +241,8 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     # [B, T] for the loss (B samples, mb.mask [B, T] True at real tokens). None: a dummy micro-batch that keeps
     # this rank in step with a busier one (the same collectives on every rank), contributing nothing.
     gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N] log pi_gen
+    d = cfg.distill  # on-policy distillation: the teacher's logprobs of the same tokens, [N] (machinery/teacher.py)
+    teacher_logp = torch.tensor([x for s in samples for x in s.teacher_logprobs], device=device) if d.teacher else None
     parts = packed_micro_batches(model, [s.row() for s in samples], cfg.optim.max_tokens_per_micro_batch, device,
                                  [s.routes for s in samples])
     ref_logp = None
@@ -271,7 +274,11 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
                     with torch.no_grad():  # run it (FSDP's gathers are collectives)
                         packed_forward(model, dummy_rows(model), cfg.rollout.temperature)
                 continue
-            loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), adv[mb.samples].to(device), mb.mask, g,
+            a = adv[mb.samples].to(device)  # [B] the outcome advantages, or with a teacher [B, T] per token:
+            if teacher_logp is not None:  # coef * (log pi_teacher - log pi_theta) (+ the outcome's with distill.outcome)
+                a, kl = grpo.distill_advantages(mb.pad(teacher_logp[mb.tokens]), mb.pad(logp), d.coef, a if d.outcome else None)
+                sums["distill_kl"] = sums.get("distill_kl", 0.0) + kl[mb.mask].sum()  # the reverse KL to the teacher
+            loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), a, mb.mask, g,
                                        ref_logp=None if ref_model is None else mb.pad(ref_logp[mb.tokens]),
                                        entropy=mb.pad(ent), loss_scale=loss_scale)
         learner_backward(model, loss, last)
@@ -328,8 +335,10 @@ def train_rl(run: startup.Run, ref_model):
         stream.load_state_dict(resume["ranks"][rank()]["stream"])
         guard.load_state_dict(resume["kl_guard"])
     sampling = sampling_params(cfg, model, run.tokenizer, cfg.rollout.max_new_tokens)
+    teacher = load_teacher(cfg, run.devices[0], packed_forward)  # distill.teacher, beside the engine (None: off)
     gen = Generator(engine, stream, run.tokenizer, cfg.rollout, sampling, env_cls=run.env_cls, seed=cfg.seed + 7919 * rank(),
-                    first_index=version, end=t.rl_steps, rank=rank(), world=world(), run_dir=cfg.run_dir, ready=ready)
+                    first_index=version, end=t.rl_steps, rank=rank(), world=world(), run_dir=cfg.run_dir, ready=ready,
+                    teacher=teacher)
     # The layout decides what happens around each publish: split (two devices) moves nothing; co-located, the
     # engine's KV pool and weights leave the GPU while the learner steps, the learner's state while the engine
     # generates (colocate.py). Weights reach the engine one way, gen.publish, first the learner's whole model

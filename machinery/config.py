@@ -205,6 +205,20 @@ class TrainConfig:
 
 
 @dataclass
+class DistillConfig:
+    # On-policy distillation (grpo.distill_advantages, machinery/teacher.py): a teacher scores every token the policy
+    # samples, by one prefill on the generator's device, and each token's advantage becomes coef * (log pi_teacher -
+    # log pi_theta): a dense reward that learns from every token. The teacher: a local directory or Hub id like
+    # model.path, sharing the student's tokenizer (checked at start-up). null: no distillation
+    teacher: str | None = None
+    coef: float = 1.0  # the weight of the per-token distillation advantage
+    # also add GRPO's outcome advantage (the reward's, per response) to every token's; false: distillation alone (the
+    # reward is still logged, and dynamic sampling has nothing to filter: every group teaches)
+    outcome: bool = False
+    quantization: str | None = None  # the teacher's weights: null (bf16 on a GPU, fp32 on a CPU) or fp8 (block-wise e4m3)
+
+
+@dataclass
 class Config:
     run_dir: str | None = None  # checkpoints/, metrics.jsonl, config.yaml go here; null: runs/<recipe file's name>
     seed: int = 0  # model init, data order, sampling
@@ -214,6 +228,7 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)  # the objective (grpo.py)
     optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW per stage, the learner's token budget
     train: TrainConfig = field(default_factory=TrainConfig)  # stages, eval, checkpoints, processes and devices
+    distill: DistillConfig = field(default_factory=DistillConfig)  # on-policy distillation from a teacher
 
 
 # Keys that existed once, and why they are gone: an old config gets this instead of "unknown key".
@@ -413,7 +428,8 @@ RULES = [  # (keys, test, what each must be)
     (("optim.betas",), lambda b: len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b),
      "[beta1, beta2], each in [0, 1)"),
     (("rollout.engine",), lambda x: x in ("torch", "sglang"), "torch or sglang"),
-    (("rollout.quantization",), lambda x: x in (None, "fp8"), "fp8 or null"),
+    (("rollout.quantization", "distill.quantization"), lambda x: x in (None, "fp8"), "fp8 or null"),
+    (("distill.coef",), _positive, "a finite number > 0"),
     (("model.routing_replay",), lambda x: x in ("rollout", "none"), "rollout or none"),
     (("train.parallel",), lambda x: x in ("fsdp", "ddp"), "fsdp or ddp"),
     (("grpo.agg",), lambda x: x in grpo.AGG_MODES, f"one of {grpo.AGG_MODES}"),
@@ -484,6 +500,9 @@ def check_config(cfg: Config, where):
              "set train.generator_device and train.learner_device alike (or both null)")
     else:
         need(cfg.train.offload is None, "train.offload is for train.colocate: true (the split layout moves nothing)")
+    if cfg.distill.teacher is not None:
+        need(cfg.rollout.engine == "torch", "distill.teacher needs rollout.engine: torch (the teacher runs on the "
+             "generator's device, beside our engine; SGLang's static pool leaves it no planned room)")
     need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
          f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
     need(cfg.grpo.surrogate != "dis" or (cfg.grpo.icepop_beta is None and cfg.grpo.tis_cap is None),
@@ -498,7 +517,8 @@ def check_config(cfg: Config, where):
 
 def check_paths(cfg: Config):
     """The files a run reads exist (after hub.fetch, before processes start and before any weights load)."""
-    for key, needed in (("model.path", "config.json"), ("model.tokenizer", "tokenizer_config.json")):
+    for key, needed in (("model.path", "config.json"), ("model.tokenizer", "tokenizer_config.json"),
+                        ("distill.teacher", "config.json")):
         where = hub.model_dir(get(cfg, key), key)  # a Hub id: its snapshot in the local cache
         if where is not None and not os.path.isfile(os.path.join(where, needed)):
             what = f"has no {needed}" if os.path.isdir(where) else "is neither a directory nor a Hub id (owner/name)"
@@ -524,8 +544,10 @@ def sources(cfg: Config) -> dict:
 
 
 def hub_specs(cfg: Config) -> dict:
-    """{config key: spec} of everything hub.fetch may download: model.path, model.tokenizer and the data."""
-    return {"model.path": cfg.model.path, "model.tokenizer": cfg.model.tokenizer} | sources(cfg)
+    """{config key: spec} of everything hub.fetch may download: model.path, model.tokenizer, distill.teacher and the
+    data."""
+    return ({"model.path": cfg.model.path, "model.tokenizer": cfg.model.tokenizer, "distill.teacher": cfg.distill.teacher}
+            | sources(cfg))
 
 
 def eval_sets(cfg: Config) -> dict:
@@ -549,6 +571,14 @@ PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "inte
                                 "rms_norm_eps": 1e-5, "attention_bias": True, "tie_word_embeddings": False,
                                 "max_position_embeddings": 32768, "pad_token_id": 151329,
                                 "eos_token_id": [151329, 151336, 151338]},
+             # GLM-Z1-32B-0414, configs/glm9b_distill.yaml's teacher: GLM-Z1-9B-0414's family and tokenizer (the same
+             # tokenizer.json, sha256 76ebeac0...), 61 layers, no attention bias (32.57B parameters)
+             "GLM-Z1-32B-0414": {"vocab_size": 151552, "hidden_size": 6144, "intermediate_size": 23040,
+                                 "num_hidden_layers": 61, "num_attention_heads": 48, "num_key_value_heads": 2,
+                                 "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 10000.0,
+                                 "rms_norm_eps": 1e-5, "attention_bias": False, "tie_word_embeddings": False,
+                                 "max_position_embeddings": 32768, "pad_token_id": 151329,
+                                 "eos_token_id": [151329, 151336, 151338]},
              # GLM-4.7-Flash (transformers' glm4_moe_lite): MLA, 64 routed experts + 1 shared, 4 active, the first
              # layer dense; its files also hold one multi-token-prediction layer (layer 47), which we do not use
              "GLM-4.7-Flash": {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
@@ -564,29 +594,31 @@ PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "inte
                                "eos_token_id": [154820, 154827, 154829]}}
 
 
-def architecture(cfg: Config) -> GLMConfig:
-    """The policy's GLMConfig without loading any weights."""
-    if cfg.model.init is not None:
+def architecture(cfg: Config, key="model.path") -> GLMConfig:
+    """The policy's GLMConfig without loading any weights (key "distill.teacher": the distillation teacher's, as its
+    config.json says: model.dsa is the policy's)."""
+    if key == "model.path" and cfg.model.init is not None:
         tok = (AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer")) if cfg.model.tokenizer
                else data.synthetic_tokenizer(cfg.data.train))
         return GLMConfig(**cfg.model.init, vocab_size=len(tok), dsa=cfg.model.dsa)
-    spec, hub_id = cfg.model.path, hub.model_id(cfg.model.path)
-    path = hub.model_config(spec, fetch=False) if hub_id else os.path.join(spec, "config.json")
+    spec = get(cfg, key)
+    hub_id = hub.model_id(spec)
+    path = hub.model_config(spec, key, fetch=False) if hub_id else os.path.join(spec, "config.json")
     name = os.path.basename(os.path.normpath(hub_id[0] if hub_id else spec))
     if not (path and os.path.isfile(path)) and name not in PUBLISHED and hub_id:
-        path = hub.model_config(spec)  # --dry-run of a Hub model we know nothing of: its config.json alone
+        path = hub.model_config(spec, key)  # --dry-run of a Hub model we know nothing of: its config.json alone
     if path and os.path.isfile(path):
         try:
             with open(path) as f:
                 hf = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"model.path: {path} cannot be read ({e})") from None
+            raise ConfigError(f"{key}: {path} cannot be read ({e})") from None
     elif name in PUBLISHED:
         hf = PUBLISHED[name]
     else:
-        raise ConfigError(f"model.path: {spec} is neither a directory with a config.json nor a Hub id (owner/name)")
+        raise ConfigError(f"{key}: {spec} is neither a directory with a config.json nor a Hub id (owner/name)")
     arch = GLMConfig.from_hf(hf)
-    if cfg.model.dsa is not None:
+    if key == "model.path" and cfg.model.dsa is not None:
         arch.dsa = GLMConfig(**{**asdict(arch), "dsa": cfg.model.dsa}).dsa
     return arch
 
@@ -649,4 +681,6 @@ def plan_memory(cfg: Config, processes, shared=False, offload=True):
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,
                        dsa_kernels=cfg.model.dsa_kernels, shared=shared, fp8=r.quantization == "fp8",
                        lora_cfg=None if cfg.model.lora is None else lora.LoRAConfig(**cfg.model.lora),
-                       colocate=cfg.train.colocate, offload=offload)
+                       colocate=cfg.train.colocate, offload=offload,
+                       teacher=architecture(cfg, "distill.teacher") if cfg.distill.teacher else None,
+                       teacher_fp8=cfg.distill.quantization == "fp8")

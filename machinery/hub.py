@@ -4,6 +4,7 @@ start-up they are downloaded.
 
     model.path:  zai-org/GLM-Z1-9B-0414                          a model repo (its default branch)
     model.path:  zai-org/GLM-Z1-9B-0414@7a1b...                  ... at a revision (a commit, branch or tag)
+    distill.teacher: zai-org/GLM-Z1-32B-0414                      the same for a distillation teacher
     data.train:  zhuzilin/dapo-math-17k/dapo-math-17k.jsonl     a dataset repo's file (JSONL or Parquet)
     data.train:  owner/name@rev:train                            ... or a split: every file named train.* or
                                                                  train-*.* (data/train-00000-of-00002.parquet)
@@ -154,19 +155,20 @@ def data_files(spec, key="data"):
 
 
 def fetch(specs):
-    """Fetch every Hub id of specs, {config key: spec} (config.hub_specs: model.path, model.tokenizer, the data);
+    """Fetch every Hub id of specs, {config key: spec} (config.hub_specs: model.path, model.tokenizer,
+    distill.teacher, the data);
     returns {key: pinned spec}, which pin() writes into a config. Local paths and None are left alone."""
     pins = {}
     for key, spec in specs.items():
-        if key.startswith("model.") and spec is not None and model_id(spec):
-            pins[key] = fetch_model(key, spec, MODEL_FILES if key == "model.path" else TOKENIZER_FILES)
+        if key in ("model.path", "model.tokenizer", "distill.teacher") and spec is not None and model_id(spec):
+            pins[key] = fetch_model(key, spec, TOKENIZER_FILES if key == "model.tokenizer" else MODEL_FILES)
         elif key.startswith("data.") and data_id(spec):
             pins[key] = fetch_data(key, spec)[0]
     return pins
 
 
 def pin(cfg, pins):
-    """Write fetch()'s pinned specs into cfg: model.path, model.tokenizer, data.train, data.eval.<set>."""
+    """Write fetch()'s pinned specs into cfg: model.path, model.tokenizer, distill.teacher, data.train, data.eval.<set>."""
     for key, spec in pins.items():
         section, name, *sub = key.split(".")
         if not sub:

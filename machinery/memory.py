@@ -166,13 +166,68 @@ def _dsa_block(cfg: GLMConfig, B, Tq, Tk, grad, kernels):
     return max(scores, ((2 + 4) * 2 * c * per_q + 2 * 4 * c * B * K * cfg.num_heads) * (2 if grad else 1))
 
 
+def _widths(cfg: GLMConfig):
+    """Per-token widths of a decoder layer: (queries, keys, values, attention output) in elements, MLA's latents
+    in bytes, and an MoE layer's bytes: its k routed experts' dispatched copies (x, gate_up, silu, act, output,
+    weighted), the shared experts and the router's fp32 scores (0 for a dense model)."""
+    H = cfg.num_heads
+    HD, KD = H * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    if cfg.mla is not None:  # MLA: queries and keys of nope + rope dims, values of v_head_dim; keys and values are
+        m = cfg.mla         # expanded from the latent for the learner's (and a prefill's) attention
+        HD = KD = H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        VD = OD = H * m.v_head_dim  # values, and the attention's output
+        latent = 2 * (m.q_lora_rank or 0) * 2 + 2 * (m.kv_lora_rank + m.qk_rope_head_dim) * 2  # q_a, kv_a, their norms
+    else:
+        VD, OD, latent = KD, HD, 0
+    moe_token = 0
+    if cfg.moe is not None:
+        e, h = cfg.moe, cfg.hidden_size
+        Im, k, Is = e.moe_intermediate_size, e.num_experts_per_tok, e.moe_intermediate_size * e.n_shared_experts
+        moe_token = 2 * k * (3 * h + 4 * Im) + 2 * 4 * Is + 3 * 4 * e.n_routed_experts + 8 * k * 2
+    return HD, KD, VD, OD, latent, moe_token
+
+
+def _forward_bytes(cfg: GLMConfig, M, dsa_kernels):
+    """Bytes of a no-grad forward's largest layer over one packed row of M tokens in bf16 weights (an engine's
+    prefill, a distillation teacher's scoring): everything bf16 but RMSNorm's internals; attention runs on groups of
+    similar-length sequences (right-padded, no mask)."""
+    h, I, H = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads
+    HD, KD, VD, OD, latent, moe_token = _widths(cfg)
+    pad = 1 / GROUP_RATIO
+    out = M * (2 * h + max(2 * (h + 4 * I) if cfg.moe is None or "dense" in cfg.moe.mlp_layer_types else 0,
+                           moe_token,  # residual [M, h] + normed input, gate_up [M, 2I], silu, act (or MoE's)
+                           2 * (h + 2 * (HD + KD) + 2 * VD + OD) + latent  # or q, k, v before and after RoPE, out
+                           + int(pad * (2 * (HD + KD + VD) + 2 * OD + 4 * H)),  # + the groups' q, k, v, out, LSE
+                           3 * 4 * h))  # or RMSNorm's fp32 temps
+    if cfg.dsa is not None and cfg.dsa.topk < M:
+        out += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
+    return out
+
+
+def teacher_items(cfg: GLMConfig, tokens, fp8, logit_chunk, dsa_kernels=True):
+    """(weights, scoring) items of an on-policy distillation teacher on the generator's GPU (machinery/teacher.py):
+    its bf16 weights (fp8: block-wise e4m3), and what scoring one packed row of `tokens` costs at its peak: the
+    largest layer's forward, or the kept positions' hidden states [tokens, h] bf16 and one chunk's logits, bf16
+    [c, V] then fp32 / temperature and its log-softmax."""
+    with torch.device("meta"):
+        named = dict(GLM(cfg).named_parameters())
+    P = sum(p.numel() for p in named.values())
+    P32 = sum(p.numel() for n, p in named.items() if n.endswith(FP32_PARAMS))
+    weights = fp8_weight_bytes(cfg) if fp8 else 2 * P + 2 * P32
+    c = min(logit_chunk, tokens)
+    scoring = max(_forward_bytes(cfg, tokens, dsa_kernels), tokens * 2 * cfg.hidden_size + c * cfg.vocab_size * (2 + 4 + 4))
+    return ([(f"distillation teacher's {'fp8' if fp8 else 'bf16'} weights ({P / 1e9:.1f}B parameters)", weights)],
+            [(f"the teacher scoring one packed row of {tokens} tokens", scoring)], P)
+
+
 def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch_tokens: int,
                 gradient_checkpointing: bool, trainable_indexer: bool, reference: bool,
                 generator_batch: int, generator_max_len: int, max_new_tokens: int, engine: str,
                 kv_cache_tokens: int | None = None, cuda_graphs: bool = False, prefill_tokens: int = PREFILL_TOKENS, group_size: int = 1,
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
                 dsa_kernels: bool = True, shared: bool = False, fp8: bool = False, lora_cfg=None,
-                colocate: bool = False, offload: bool = True) -> MemoryPlan:
+                colocate: bool = False, offload: bool = True, teacher: GLMConfig | None = None,
+                teacher_fp8: bool = False) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
     up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
@@ -187,6 +242,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     the generator fp32 adapters beside its weights.
     colocate: one GPU per process for both halves in turn (colocate.py); the plan's phases (MemoryPlan.phases) are what
     must fit. offload: the learner's fp32 masters and AdamW state leave the GPU while the engine generates.
+    teacher (distill.teacher's architecture; teacher_fp8: its weights e4m3): on the generator's GPU for good, scoring
+    packed rows of micro_batch_tokens (teacher_items), possibly while an eval decodes, so counted beside everything.
     Beside each step-time peak, the load-time one: the weights as model.GLM.from_pretrained allocates them."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
@@ -205,26 +262,18 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     layer = max(2 * count(lambda n: n.startswith(f"layers.{i}.")) + 2 * count(lambda n: n.startswith(f"layers.{i}.self_attn.indexer."))
                 + 2 * count(lambda n: n.startswith(f"layers.{i}.mlp.gate.")) for i in range(cfg.num_layers))
     L, N, T, h, I = cfg.num_layers, learner_gpus, micro_batch_tokens, cfg.hidden_size, cfg.intermediate_size
-    HD, KD, V, H = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.vocab_size, cfg.num_heads
+    V, H = cfg.vocab_size, cfg.num_heads
     n_F = cfg.dsa.layer_kinds(L).count("F") if cfg.dsa else 0
-    if cfg.mla is not None:  # MLA: queries and keys of nope + rope dims, values of v_head_dim; keys and values are
-        m = cfg.mla         # expanded from the latent for the learner's (and a prefill's) attention
-        HD, KD = H * (m.qk_nope_head_dim + m.qk_rope_head_dim), H * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        VD = OD = H * m.v_head_dim  # values, and the attention's output
-        latent = 2 * (m.q_lora_rank or 0) * 2 + 2 * (m.kv_lora_rank + m.qk_rope_head_dim) * 2  # q_a, kv_a, their norms
-    else:
-        VD, OD, latent = KD, HD, 0
-    # The MLP of the widest layer per token: a dense MLP (intermediate_size), or an MoE layer's k routed experts'
-    # dispatched copies (x, gate_up, silu, act, output, weighted) + the shared experts + the router's fp32 scores
+    HD, KD, VD, OD, latent, moe_token = _widths(cfg)
+    # The MLP of the widest layer per token: a dense MLP (intermediate_size), or an MoE layer's k routed experts
+    # and shared experts
     mlp_width = I
-    moe_token = 0
     n_moe = len(cfg.moe_layers)
     route_bytes = n_moe * cfg.moe.num_experts_per_tok * torch.tensor([], dtype=route_dtype(cfg)).element_size() if n_moe else 0
     if cfg.moe is not None:
         e = cfg.moe
-        Im, k, Is = e.moe_intermediate_size, e.num_experts_per_tok, e.moe_intermediate_size * e.n_shared_experts
-        moe_token = 2 * k * (3 * h + 4 * Im) + 2 * 4 * Is + 3 * 4 * e.n_routed_experts + 8 * k * 2
-        mlp_width = max(I if "dense" in e.mlp_layer_types else 0, (k * 4 * Im + 4 * Is) // 4)
+        mlp_width = max(I if "dense" in e.mlp_layer_types else 0,
+                        (e.num_experts_per_tok * 4 * e.moe_intermediate_size + 4 * e.moe_intermediate_size * e.n_shared_experts) // 4)
 
     # Learner activations of one packed row of T tokens. The residual stream is bf16 (a = 2 bytes) under
     # FSDP (bf16 weights) and DDP alike (model.GLM.forward casts it to autocast's dtype).
@@ -306,12 +355,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         # its keys from the row: every further copy's (pool slot, row token) int64 pairs, one copy's keys
         # gathered at a time.
         M = max(prefill_tokens, S)
-        prefill = M * (2 * h + max(2 * (h + 4 * I) if cfg.moe is None or "dense" in cfg.moe.mlp_layer_types else 0,
-                                   moe_token,  # residual [M, h] + normed input, gate_up [M, 2I], silu, act (or MoE's)
-                                   2 * (h + 2 * (HD + KD) + 2 * VD + OD) + latent  # or q, k, v before and after RoPE, out
-                                   + int(pad * (2 * (HD + KD + VD) + 2 * OD + 4 * H)),  # + the groups' q, k, v, out, LSE
-                                   3 * 4 * h)  # or RMSNorm's fp32 temps
-                       + 16 * (group_size - 1) + 2 * KD)  # the copies' (slot, source) pairs; one copy's keys
+        prefill = _forward_bytes(cfg, M, dsa_kernels) + M * (16 * (group_size - 1) + 2 * KD)  # + the copies' (slot,
+        # source) pairs; one copy's keys
         # A decode step: the forward's bf16 logits [B, V] (with DSA the rows' indexer keys gathered [B, S, d_I] and
         # their scores; a turn that extends parked KV runs as such steps of at most B rows); then sampling: fp32 logits, / temperature, log_softmax, exp (greedy eval's path), and,
         # without the kernels (dsa_triton.sample), the noise's int64 hashes
@@ -319,8 +364,6 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         if cfg.dsa is not None and cfg.dsa.topk < S:
             dsa_decode = 2 * B * S * cfg.dsa.head_dim + _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
         sampling = 4 * B * V * 4 + (0 if dsa_kernels else 3 * B * V * 8)  # the fused sampler hashes on chip
-        if cfg.dsa is not None and cfg.dsa.topk < M:
-            prefill += _dsa_block(cfg, 1, M, M, grad=False, kernels=dsa_kernels)
         steps = [(f"prefill of {M} packed tokens", prefill)]
         rows = B * (S // BLOCK_SIZE + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
         shares = shared and lora_cfg is not None  # the engine decodes on the learner's base (lora.share_base)
@@ -333,6 +376,9 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                      (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
         if lora_cfg is not None:
             generator.append((f"LoRA adapters fp32, rank {lora_cfg.rank}", 4 * adapters))
+        if teacher is not None:  # (fp8: quantized in host memory, then moved: the GPU never holds its bf16 copy)
+            t_weights, t_scoring, _ = teacher_items(teacher, micro_batch_tokens, teacher_fp8, logit_chunk, dsa_kernels)
+            generator += t_weights + t_scoring
         # the step's MLP (or MoE: k experts per row), and MLA's absorbed attention over each row's latent keys
         # gathered [B, S, kv_lora_rank + rope] with fp32 scores [B, H, S]
         forward = 2 * B * V + max(2 * B * (h + 2 * I), B * moe_token) + dsa_decode
@@ -360,6 +406,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     learner_load.append(("CUDA context, NCCL, fragmentation", OVERHEAD))
     generator_load = [] if engine == "sglang" else [("bf16 weights", 2 * P + 2 * P32), ("one tensor copied in", 2 * big),
                                                     ("CUDA context, fragmentation", OVERHEAD)]
+    if teacher is not None:  # the teacher loads at RL's start, beside the engine's weights
+        generator_load[-1:-1] = t_weights
     settings = {}
     if colocate:
         resident = 12 * adapters if lora_cfg is not None else 4 * P // shards + 8 * Pt // shards  # masters + AdamW
@@ -369,14 +417,16 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         stays += [("DDP gradient buckets (kept)", buckets)] if buckets else []
         state = [(f"learner's fp32 masters + AdamW{part}" + ("" if lora_cfg is None else " (adapters)"), resident)]
         engine_own = generator[1:] if lora_cfg is not None else generator  # LoRA: the weights are the base above
+        teacher_stays = t_weights if teacher is not None else []  # a distillation teacher never leaves the GPU
         settings["phases"] = [
             ("load: the learner's weights (the engine has none until the first publish" + (
-                ", but fp8's load to be quantized)" if fp8 else ")"), learner_load + (generator_load[:-1] if fp8 else [])),
+                ", but fp8's load to be quantized)" if fp8 else ")"),
+             learner_load + (generator_load[:-1] if fp8 else []) + ([] if fp8 else teacher_stays)),
             ("generate: the engine, and what stays of the learner" + (" (its state offloaded)" if offload else ""),
              engine_own + stays + ([] if offload else state)),
-            ("train: the learner's step (the engine's KV pool and unshared weights released)", learner),
+            ("train: the learner's step (the engine's KV pool and unshared weights released)", learner + teacher_stays),
             ("checkpoint (and the first publish): the learner's state beside the engine's weights, no KV pool",
-             ([] if lora_cfg is not None else generator[:1]) + stays + state
+             ([] if lora_cfg is not None else generator[:1]) + stays + teacher_stays + state
              + [("a checkpoint's one gathered fp32 tensor", 4 * big), ("CUDA context, NCCL, fragmentation", OVERHEAD)])]
         settings["pinned_host"] = sum(b for _, b in state) if offload else 0
     settings |= dict(fp8_saved=2 * P + 2 * P32 - weights, shared=shared, colocate=colocate, lora=lora_cfg is not None,

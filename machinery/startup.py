@@ -24,6 +24,7 @@ from machinery.config import (Config, ConfigError, architecture, check_memory, c
                               load_config, load_run_config, save_config, sources)
 from machinery.engine import make_engine
 from machinery.lora import base_dir
+from machinery.teacher import check_tokenizer
 from machinery.parallel import (barrier, init_processes, launch, load_learner, once_per_machine, pair_devices, rank,
                                 set_threads, world)
 
@@ -109,6 +110,7 @@ def start(argv, description, script, default_config, single_turn) -> Run | None:
     start = start or starting_point(cfg, run_dir)
     try:  # data.py, model.py and transformers name the file and what was wrong: show that, not a traceback
         tokenizer = AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer") or start)
+        check_tokenizer(cfg, tokenizer)  # a distillation teacher must share it
         reward = data.load_reward(cfg.data.reward, cfg.data.answer_line)  # (answer_line: the built-in grader's option)
         env_cls = env.load_env(cfg.data.env, env_args(cfg)) if cfg.data.env else single_turn(reward)
         examples_of = lambda src, split: data.load_examples(  # noqa: E731  (all prompts tokenized now: fail in seconds)

@@ -443,3 +443,38 @@ def test_dis_refuses_a_second_off_policy_correction():
         run(logp, gen, adv, mask, agg="token-mean", surrogate="dis", icepop_beta=2.0)
     with pytest.raises(ValueError, match="unknown surrogate"):
         run(logp, gen, adv, mask, agg="token-mean", surrogate="ppo")
+
+
+# --- on-policy distillation -----------------------------------------------------------------
+
+@pytest.mark.parametrize("outcome", [False, True])
+@pytest.mark.parametrize("agg", MODES)
+def test_distillation_advantages_through_the_clipped_surrogate_and_icepop_match_float64(outcome, agg):
+    """Each token's advantage is coef * (log pi_teacher - log pi_theta) (+ its sequence's outcome advantage),
+    written out by hand; through policy_loss with the PPO clip and IcePop active it gives the hand reference's
+    loss and gradient, the advantage held constant (the policy's logprob inside it is detached)."""
+    logp, gen, adv, mask = make_batch(seed=6, spread=0.8)
+    teacher = gen + 1.5 * torch.randn(gen.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    a, kl = grpo.distill_advantages(teacher, logp.clone().requires_grad_(True), 0.5, adv if outcome else None)
+    want = [[0.5 * (teacher[i, t].item() - logp[i, t].item()) + (adv[i].item() if outcome else 0.0) for t in range(7)]
+            for i in range(5)]
+    assert_close(a, want)
+    assert_close(kl, (logp - teacher).tolist())
+    assert not a.requires_grad and not kl.requires_grad
+    keep = [[1.0 if 0.5 <= math.exp(x - y) <= 2.0 else 0.0 for x, y in zip(rx, ry)] for rx, ry in zip(logp.tolist(), gen.tolist())]
+    loss, grad, m = run(logp, gen, a, mask, agg=agg, icepop_beta=2.0)
+    ref, ref_grad = ref_loss(logp.tolist(), gen.tolist(), want, mask.tolist(), agg, weight=keep)
+    assert_close(loss, ref)
+    assert_close(grad, ref_grad)
+    assert 0 < sum(1 - k for row in keep for k in row) and m["clip_frac_low"] + m["clip_frac_high"] > 0  # both bind
+
+
+def test_distillation_advantage_is_finite_where_the_teacher_finds_a_token_impossible():
+    """A log-ratio of 1000 nats (a token the teacher gives probability ~0) is clamped like every other one: a large
+    push, never inf or NaN."""
+    logp = torch.tensor([[-0.1, -2.0]], dtype=torch.float64)
+    teacher = torch.tensor([[-1000.0, float("-inf")]], dtype=torch.float64)
+    a, kl = grpo.distill_advantages(teacher, logp, 1.0)
+    assert a.tolist() == [[-grpo.LOG_RATIO_CLAMP] * 2] and kl.tolist() == [[grpo.LOG_RATIO_CLAMP] * 2]
+    loss, grad, _ = run(logp, logp.clone(), a, torch.ones(1, 2))
+    assert math.isfinite(loss) and torch.isfinite(grad).all()
