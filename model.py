@@ -541,7 +541,11 @@ class GLM(nn.Module):
     def __init__(self, cfg: GLMConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Built on the meta device (a memory plan, a load that allocates afterwards) there is nothing to initialise, and
+        # torch's meta normal_ takes seconds at 150K x 6144: skip it (it draws no random numbers either way)
+        meta = torch.empty(0).is_meta
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size) if meta else None)
         block = Block if cfg.mla is None else LatentBlock  # (the MLA + MoE families: the end of this file)
         self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -549,7 +553,8 @@ class GLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.gradient_checkpointing = False  # recompute each block in backward (learner memory option)
-        self.apply(init_weights)
+        if not meta:
+            self.apply(init_weights)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, cache: KVCache | PagedKVCache | None = None,
                 indexer_loss=None, return_hidden=False, keep=None, routing: "Routing | None" = None):

@@ -22,7 +22,9 @@ One run goes through up to three stages, each skipped when its step count is 0:
                  own copy of the weights; the learner pops a batch, trains one step on it and publishes
                  the new weights. Batch i is sampled by weights i - max_staleness (rollout.py says when).
                  Co-located (train.colocate) one GPU serves both in turn, synchronously, each half's memory out
-                 during the other's.
+                 during the other's. With distill.teacher (on-policy distillation) a frozen teacher beside the
+                 engine scores every sampled token, and each token's advantage becomes how much more the teacher
+                 likes it than the policy does (grpo.distill_advantages), with or without GRPO's.
 
 Each process (one per generator/learner GPU pair) generates and trains its own share of the batch; every
 loss below is a partial sum over the global batch's denominator, so the ranks' gradients add up to that of

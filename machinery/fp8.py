@@ -495,8 +495,16 @@ def quantized_weights(named_tensors):
 def weight_bytes(cfg) -> int:
     """Bytes of a generator's weights with fp8 (model.GLMConfig): quantized linears and experts 1 byte per weight
     plus 4 per 128 x 128 block (per expert), everything else bf16 but model.FP32_PARAMS (fp32), the MoE routers'
-    score-correction biases (buffers) included. Counted from the model built on the meta device, cast and
-    quantized as the generator is (no memory)."""
+    score-correction biases (buffers) included. Counted from the model built on the meta device and cast as the
+    generator is (no memory); each tensor quantize_model_ replaces, by the sizes of quantize's results (tested equal
+    to a meta model's quantized tensors: quantizing meta tensors takes seconds at 30B)."""
     with torch.device("meta"):
-        model = _quantize_modules_(GLM(cfg).cast_(torch.bfloat16))
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        model = GLM(cfg).cast_(torch.bfloat16)
+    total = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if is_quantized(name):  # [N, K] or stacked experts [E, N, K]: 1 byte a weight, a fp32 scale a block
+            *experts, N, K = t.shape
+            total += (experts[0] if experts else 1) * (N * K + 4 * _cdiv(N, BLOCK) * _cdiv(K, BLOCK))
+        else:
+            total += t.numel() * t.element_size()
+    return total

@@ -208,7 +208,7 @@ def teacher_items(cfg: GLMConfig, tokens, fp8, logit_chunk, dsa_kernels=True):
     """(weights, scoring) items of an on-policy distillation teacher on the generator's GPU (machinery/teacher.py):
     its bf16 weights (fp8: block-wise e4m3), and what scoring one packed row of `tokens` costs at its peak: the
     largest layer's forward, or the kept positions' hidden states [tokens, h] bf16 and one chunk's logits, bf16
-    [c, V] then fp32 / temperature and its log-softmax."""
+    [c, V] then fp32 / temperature and its log-softmax (fp8: beside it, the quantized copy of a linear's input)."""
     with torch.device("meta"):
         named = dict(GLM(cfg).named_parameters())
     P = sum(p.numel() for p in named.values())
@@ -216,6 +216,8 @@ def teacher_items(cfg: GLMConfig, tokens, fp8, logit_chunk, dsa_kernels=True):
     weights = fp8_weight_bytes(cfg) if fp8 else 2 * P + 2 * P32
     c = min(logit_chunk, tokens)
     scoring = max(_forward_bytes(cfg, tokens, dsa_kernels), tokens * 2 * cfg.hidden_size + c * cfg.vocab_size * (2 + 4 + 4))
+    if fp8:  # an fp8 linear's input quantized too: [tokens, widest input] e4m3 + a fp32 scale per 128 values
+        scoring += int(tokens * max(cfg.hidden_size, cfg.intermediate_size) * (1 + 4 / 128))
     return ([(f"distillation teacher's {'fp8' if fp8 else 'bf16'} weights ({P / 1e9:.1f}B parameters)", weights)],
             [(f"the teacher scoring one packed row of {tokens} tokens", scoring)], P)
 

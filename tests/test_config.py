@@ -79,6 +79,11 @@ def test_unknown_key_names_key_and_suggestion(tmp_path):
      "data.eval: a set with its own keys is written {<name>: {path: file, prompt_key: ..., label_key: ...}}"),
     ("data.dedup=1", "data.dedup must be bool, got 1"),
     ("rollout.quantization=int4", "rollout.quantization must be fp8 or null, got 'int4'"),
+    ("distill.quantization=int8", "distill.quantization must be fp8 or null, got 'int8'"),
+    ("distill.coef=0", "distill.coef must be a finite number > 0, got 0"),
+    ("distill.outcome=maybe", "distill.outcome must be bool"),
+    ("distill.teachr=x", "unknown key distill.teachr (did you mean distill.teacher?)"),
+    (["distill.teacher=/x", "rollout.engine=sglang"], "distill.teacher needs rollout.engine: torch"),
     ("grpo.agg=mean", "grpo.agg must be one of"),
     ("grpo.old_logp=recompute", "grpo.old_logp was removed: pi_old is now the learner's own forward"),
     ("rollout.top_p=0.9", "rollout.top_p was removed: RL samples from the full tempered distribution"),
@@ -102,7 +107,8 @@ def test_unknown_key_names_key_and_suggestion(tmp_path):
 ])
 def test_bad_values_fail_with_the_key(override, message):
     with pytest.raises(ConfigError) as e:
-        load_config(TINY, [override] + (["train.pairs=2"] if "pairs" in message else []))
+        load_config(TINY, ([override] if isinstance(override, str) else override)
+                    + (["train.pairs=2"] if "pairs" in message else []))
     assert message in str(e.value) and "\n" not in str(e.value)
 
 

@@ -511,7 +511,8 @@ def test_weight_bytes():
             expect += p.numel() + 4 * -(-p.shape[0] // 128) * -(-p.shape[1] // 128)
         else:
             expect += p.numel() * (4 if name.endswith(FP32_PARAMS) else 2)
-    assert fp8.weight_bytes(cfg) == expect
+    q = fp8.quantize_model_(tiny_model(DSA).cast_(torch.bfloat16))  # what a quantized generator really holds
+    assert fp8.weight_bytes(cfg) == expect == sum(t.numel() * t.element_size() for t in [*q.parameters(), *q.buffers()])
     from machinery import config
     c = GLMConfig.from_hf(config.PUBLISHED["GLM-Z1-9B-0414"])
     H, I, D, V, L = c.hidden_size, c.intermediate_size, c.head_dim, c.vocab_size, c.num_layers

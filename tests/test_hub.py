@@ -71,13 +71,15 @@ def test_ids_and_local_paths(tmp_path):
 
 def test_fetch_pins_the_commit_and_reads_splits(cache):
     cfg = config.load_config(TINY, ["model.init=null", "model.path=owner/tiny-glm", "data.train=owner/sums:train",
-                                    "data.eval={heldout: owner/sums/test.jsonl}"])
+                                    "data.eval={heldout: owner/sums/test.jsonl}", "distill.teacher=owner/tiny-glm"])
     pins = hub.fetch(config.hub_specs(cfg))
     assert pins == {"model.path": f"owner/tiny-glm@{SHA}", "data.train": f"owner/sums@{SHA}:train",
-                    "data.eval.heldout": f"owner/sums@{SHA}/test.jsonl"}
+                    "data.eval.heldout": f"owner/sums@{SHA}/test.jsonl", "distill.teacher": f"owner/tiny-glm@{SHA}"}
     hub.pin(cfg, pins)
     assert (cfg.model.path, cfg.data.train, cfg.data.eval) == (pins["model.path"], pins["data.train"],
                                                              {"heldout": pins["data.eval.heldout"]})
+    assert cfg.distill.teacher == pins["distill.teacher"]
+    assert config.architecture(cfg, "distill.teacher").num_layers == 2  # the teacher's cached config.json
     assert os.path.isfile(os.path.join(hub.model_dir(cfg.model.path), "config.json"))
     files = hub.data_files(cfg.data.train)
     assert [os.path.basename(f) for f in files] == ["train-00000-of-00002.jsonl", "train-00001-of-00002.jsonl"]
@@ -93,6 +95,7 @@ def test_fetch_pins_the_commit_and_reads_splits(cache):
     ("model.path", "owner/tiny-glm@deadbeef", "model.path: owner/tiny-glm@deadbeef: not in the local Hub cache"),
     ("data.train", "owner/sums:validation", "data.train: owner/sums:validation: no file of split 'validation'"),
     ("data.train", "owner/sums/nope.jsonl", "data.train: owner/sums/nope.jsonl: no file nope.jsonl in dataset owner/sums"),
+    ("distill.teacher", "owner/no-teacher", "distill.teacher: owner/no-teacher: not in the local Hub cache"),
 ])
 def test_a_wrong_id_is_one_line_naming_it(cache, key, spec, message):
     cfg = config.load_config(TINY, ["model.init=null", "model.path=owner/tiny-glm", f"{key}={spec}"])
@@ -107,6 +110,9 @@ def test_dry_run_of_the_recipe_needs_no_download(cache, capsys):
     assert hub.model_id(cfg.model.path)
     config.check_memory(cfg, 4, title="recipe")
     assert "9.40B parameters" in capsys.readouterr().out
+    distill = config.load_config(os.path.join(ROOT, "configs", "glm9b_distill.yaml"))  # its teacher too
+    config.check_memory(distill, 4, title="distill")
+    assert "distillation teacher's fp8 weights (32.6B parameters)" in capsys.readouterr().out
     cfg.model.path = "owner/unknown-model"  # anything else: its config.json, which offline is an error
     with pytest.raises(ConfigError, match="model.path: owner/unknown-model: not in the local Hub cache"):
         config.architecture(cfg)

@@ -683,7 +683,7 @@ def test_doc_name_checker_flags_planted_stale_names():
             " `python -m machinery.plot RUN_DIR`")
     assert stale_names(good, "good.md") == []
     bad = ["`machinery/nope.py`", "`nope.py`", "`configs/nope.yaml`", "`rollout.no_such_key`",
-           "`model.lora.no_such_field`", "`distill.teacher`", "`grpo.no_such_function`", "`no_such_function()`",
+           "`model.lora.no_such_field`", "`distill.no_such_key`", "`grpo.no_such_function`", "`no_such_function()`",
            "`NoSuchClass`", "`GLM.no_such_method`", "`machinery.tools:NoSuchEnv`", "`python nope.py --x`",
            "`python plot.py runs/x`", "`train.no_such_key=2`", "`engine.no_such_name`", "`NO_SUCH_CONSTANT`",
            "`nosuchword`", "`data.env: machinery.env:NoSuchEnv`", "`grpo.no_such_key: 0.2`",

@@ -242,3 +242,41 @@ def test_moe_memory_plan_counts_the_latent_the_experts_and_the_routes(which):
     assert weights == sum(p.numel() * p.element_size() for p in model.cast_(torch.bfloat16).parameters())
     dense = memory_plan(replace(TINY, dsa=None), **RECIPE)  # a dense model: no routes anywhere
     assert not any("routes" in name for name, _ in dense.learner + dense.generator)
+
+
+# ----------------------------------------------------------------------------- on-policy distillation's teacher
+
+THIRTY_TWO_B = GLMConfig(vocab_size=151552, hidden_size=6144, intermediate_size=23040, num_layers=61, num_heads=48,
+                         num_kv_heads=2, head_dim=128, attention_bias=False)  # GLM-Z1-32B-0414
+
+
+def test_a_distillation_teacher_sits_on_the_generator_gpu_in_every_phase():
+    """distill.teacher: its weights (bf16, or fp8 as fp8.weight_bytes counts them) and the scoring of one packed row
+    join the generator's items, and nothing else changes; co-located, its weights are in every phase (it never
+    leaves the GPU); the load-time peak holds it beside the engine's weights. GLM-Z1-32B-0414's shapes give the
+    32,566,081,536 parameters its published 32.57B rounds (counted by hand: 61 layers, no attention bias)."""
+    from machinery import fp8
+    from machinery.memory import teacher_items
+    h, I, HD, KD = 6144, 23040, 48 * 128, 2 * 128
+    assert 2 * 151552 * h + h + 61 * (h * HD + 2 * h * KD + HD * h + 3 * h * I + 4 * h) == 32_566_081_536  # 4 norms a layer
+    (_, w), = teacher_items(THIRTY_TWO_B, 16384, False, 1024)[0]
+    (_, w8), = teacher_items(THIRTY_TWO_B, 16384, True, 1024)[0]
+    assert teacher_items(THIRTY_TWO_B, 16384, False, 1024)[2] == 32_566_081_536 and w == 2 * 32_566_081_536
+    assert w8 == fp8.weight_bytes(THIRTY_TWO_B) and 32e9 < w8 < 35e9
+    teacher = replace(TINY, num_layers=4, hidden_size=64)
+    (wname, tw), = teacher_items(teacher, 64, False, 1024)[0]
+    (sname, ts), = teacher_items(teacher, 64, False, 1024)[1]
+    assert tw == 2 * sum(p.numel() for p in GLM(teacher).parameters()) + 2 * 2 * (2 * 8 + 64 * 2)  # 2 F layers keep fp32
+    # scoring: the largest of a layer's no-grad forward and the kept hidden states + one chunk's logits (bf16, fp32 x2)
+    assert ts >= 64 * 2 * 64 + 64 * 97 * 10
+    plain, with_teacher = tiny_plan(), tiny_plan(teacher=teacher)
+    assert with_teacher.generator == plain.generator[:-2] + [(wname, tw), (sname, ts)] + plain.generator[-2:]
+    assert with_teacher.learner == plain.learner
+    assert dict(with_teacher.generator_load)[wname] == tw
+    co = tiny_plan(teacher=teacher, colocate=True, generator_batch=2).phases()
+    assert all(dict(items).get(wname) == tw for _, items, _ in co)  # load, generate, train, checkpoint
+    recipe = memory_plan(NINE_B, **(RECIPE | {"generator_batch": 256, "kv_cache_tokens": 3 * 2**17, "teacher": THIRTY_TWO_B,
+                                              "teacher_fp8": True}))
+    assert recipe.problems(H100) == []  # configs/glm9b_distill.yaml's layout
+    bf16 = memory_plan(NINE_B, **(RECIPE | {"generator_batch": 256, "kv_cache_tokens": 3 * 2**17, "teacher": THIRTY_TWO_B}))
+    assert any(p.startswith("generator") for p in bf16.problems(H100))  # a bf16 32B teacher does not fit beside it

@@ -109,6 +109,40 @@ def test_dynamic_sampling_drops_uniform_groups_and_refills():
     assert batch.metrics["rollout/groups_dropped"] == uniform_drawn >= 1
 
 
+@pytest.mark.parametrize("outcome", [False, True])
+def test_a_distillation_teacher_scores_every_batch_and_alone_keeps_every_group(outcome):
+    """With a teacher (machinery/teacher.Teacher's interface: score(samples), outcome) the generator hands over
+    batches whose every sample was scored, with the teacher's time in perf/teacher_s; distillation alone
+    (outcome false) gives every token its own advantage, so dynamic sampling keeps uniform-reward groups (here every
+    group: the reward is always 0), while with the outcome advantage too they are redrawn as without a teacher."""
+    class Teacher:
+        def __init__(self):
+            self.outcome, self.scored = outcome, []
+
+        def score(self, samples):
+            for s in samples:
+                s.teacher_logprobs = [-1.0] * len(s.gen_logprobs)
+            self.scored.append(len(samples))
+            return 0.25
+
+    teacher = Teacher()
+    gen = make_generator(1, dynamic=True)  # reward 0 for everything: every group uniform
+    gen = Generator(gen.engine, gen.stream, gen.tokenizer, rollout_cfg(1, dynamic_sampling=True), gen.sampling,
+                    env_cls=gen.env_cls, teacher=teacher)
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)
+    finally:
+        gen.stop()
+    assert len(batch.samples) == 4 and teacher.scored[0] == 4  # the batch's samples, each once, before the learner
+    assert all(len(s.teacher_logprobs) == len(s.gen_logprobs) for s in batch.samples)
+    assert batch.metrics["perf/teacher_s"] == 0.25
+    if outcome:  # every round drew uniform groups only: redrawn until the last round, the surplus dropped
+        assert batch.metrics["rollout/rounds"] == rollout.MAX_SAMPLING_ROUNDS and batch.metrics["rollout/groups_dropped"] > 0
+    else:
+        assert batch.metrics["rollout/rounds"] == 1 and batch.metrics["rollout/groups_dropped"] == 0
+
+
 def test_oversampling_keeps_the_first_informative_groups_in_prompt_order():
     """Dynamic sampling with oversample 1: one round draws twice the prompts it needs and generates them
     all at once; the batch takes the first informative groups in prompt order (whatever order they

@@ -291,6 +291,43 @@ def test_multi_turn_loss_is_the_float64_loss_over_model_tokens_alone(multi_turn,
             assert (got - want).norm() < 0.25 * want.norm()
 
 
+@pytest.mark.parametrize("outcome", [False, True])
+def test_a_distillation_step_is_the_float64_loss_with_the_teachers_per_token_advantages(multi_turn, outcome):
+    """rl_step with a teacher's logprobs on the samples (distill.teacher): the gradient of a float64 reference whose
+    token advantages are coef * (log pi_teacher - log pi_theta), the policy's detached (+ the group's outcome
+    advantage with distill.outcome), through the clipped surrogate and IcePop, env tokens scored by no one;
+    train/distill_kl is the mean of log pi_theta - log pi_teacher over the model's tokens."""
+    model, samples = multi_turn
+    g = torch.Generator().manual_seed(5)
+    samples = [copy.copy(s) for s in samples]
+    for s in samples:  # a teacher that disagrees by ~0.5 nats a token
+        s.teacher_logprobs = (torch.tensor(s.gen_logprobs) + 0.5 * torch.randn(len(s.gen_logprobs), generator=g)).tolist()
+    batch = RolloutBatch(samples, index=0, stream_state={}, metrics={})
+    ref = copy.deepcopy(model).double()
+    adv = grpo.group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64), 2)
+    terms, kls = [], []
+    for s, a in zip(samples, adv):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = (ref(ids)[0].double() / 0.7).log_softmax(-1)
+        where = torch.tensor([len(s.prompt_ids) + start + k for start, n in s.spans for k in range(n)])
+        lp = logp[where - 1, ids[0, where]]
+        gen, teacher = torch.tensor(s.gen_logprobs, dtype=torch.float64), torch.tensor(s.teacher_logprobs, dtype=torch.float64)
+        a_t = 0.5 * (teacher - lp.detach()) + (a if outcome else 0.0)
+        ratio, w = torch.exp(lp - gen), torch.exp(lp.detach() - gen)
+        loss = torch.maximum(-a_t * ratio, -a_t * ratio.clamp(0.8, 1.28)) * ((w >= 0.5) & (w <= 2.0))
+        terms.append(loss.mean())
+        kls.append(lp.detach() - teacher)
+    (torch.stack(terms).sum() / len(samples)).backward()
+    want = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None])
+    learner = copy.deepcopy(model)
+    cfg, opt, guard = rl_setup(learner, **{"optim.grad_clip": 1e9, "optim.max_tokens_per_micro_batch": 40,
+                                           "distill.teacher": "teacher", "distill.coef": 0.5, "distill.outcome": outcome})
+    m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+    got = torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None]).double()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert m["train/distill_kl"] == pytest.approx(torch.cat(kls).mean().item(), abs=1e-5)
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -646,6 +683,33 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resumes_exactly(async_run,
     assert (state["stage"], state["step"]) == ("rl", stopped["step"])  # saved at the step it stopped after
     run_train(run_dir, "rollout.max_staleness=1", resume=True, fork=True)
     assert_same_run(run_dir, async_run)
+
+
+def test_a_distillation_run_resumes_exactly_and_runs_co_located(async_run, tmp_path):
+    """distill.teacher (the async run's last checkpoint: the synthetic task's tokenizer too): every RL step logs
+    train/distill_kl and perf/teacher_s. A run SIGTERM'd after RL step 1, whose checkpoint keeps a batch sampled (and
+    scored by the teacher) before it, resumes to the uninterrupted run's metrics and weights bit for bit; co-located
+    (synchronous, the teacher on the one device throughout) with the outcome advantage added, it runs too."""
+    args = [f"distill.teacher={checkpoint.checkpoints(async_run)[-1]}", "rollout.max_staleness=1",
+            "train.dsa_warmup_steps=0", "train.sft_steps=0"]
+    whole, term, co = str(tmp_path / "whole"), str(tmp_path / "term"), str(tmp_path / "co")
+    run_train(whole, *args)  # a new interpreter; the stopped and resumed run forked (ForkedTrain)
+    rl = [r for r in metrics(whole) if r["stage"] == "rl" and r["step"] > 0]
+    assert len(rl) == 4 and all(r["train/distill_kl"] > 0 and r["perf/teacher_s"] > 0 for r in rl)
+    proc = run_train(term, *args, wait=False, fork=True)
+    wait_for(lambda: os.path.exists(os.path.join(term, "metrics.jsonl")) and
+             any(r["stage"] == "rl" and r["step"] == 1 for r in metrics(term)), proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    state = torch.load(os.path.join(checkpoint.checkpoints(term)[-1], "state.pt"), weights_only=False)
+    pending = state["ranks"][0]["pending"]
+    assert pending and all(len(s.teacher_logprobs) == len(s.gen_logprobs) for b in pending for s in b.samples)
+    run_train(term, *args, resume=True, fork=True)
+    assert_same_run(term, whole)
+    run_train(co, *args, "rollout.max_staleness=0", "train.colocate=true", "distill.outcome=true", "train.rl_steps=2",
+              fork=True)
+    assert all("train/distill_kl" in r for r in metrics(co) if r["stage"] == "rl" and r["step"] > 0)
 
 
 TOOL = os.path.join(ROOT, "configs", "tiny_tool_cpu.yaml")
