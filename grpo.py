@@ -38,9 +38,10 @@ this (`fresh_mask`, a guard: the generator's gate already keeps them fresh), and
 all agree have A = 0 and teach nothing (`informative`, dynamic sampling).
 
 On-policy distillation (`distill_advantages`) swaps the one-number-per-response advantage for a dense one: a
-teacher scores every token the policy sampled, and each token's advantage is coef * (log pi_teacher - log pi_theta)
-(the per-token reverse KL to the teacher, negated), optionally plus the outcome advantage above. It goes through the same
-clipped surrogate and the same off-policy corrections, so asynchrony stays corrected.
+teacher scores every token the policy sampled, and each token's advantage is coef * (log pi_teacher - log pi_prox)
+(the per-token reverse KL to the teacher, negated; pi_prox: pi_theta's value, detached), optionally plus the
+outcome advantage above. It goes through the same clipped surrogate and the same off-policy corrections, so
+asynchrony stays corrected.
 
 Shapes: B sequences (one per row, right padded), T tokens; `mask` is 1 on response tokens.
 """
@@ -118,15 +119,16 @@ def fresh_mask(sample_versions, current_version, max_staleness):
 
 def distill_advantages(teacher_logp, logp, coef, outcome=None):
     """On-policy distillation (Agarwal et al.'s GKD, Thinking Machines' on-policy distillation, slime's OPD): the
-    [B, T] advantages coef * (log pi_teacher(o_t) - log pi_theta(o_t)) of the tokens the policy sampled, plus the
+    [B, T] advantages coef * (log pi_teacher(o_t) - log pi_prox(o_t)) of the tokens the policy sampled, plus the
     outcome advantages outcome [B] (one per sequence; None: distillation alone). Returns (advantages [B, T], the
-    per-token reverse-KL estimate log pi_theta - log pi_teacher [B, T]).
+    per-token reverse-KL estimate log pi_prox - log pi_teacher [B, T]).
 
     Both log-probs are at the sampling temperature, and logp is the learner's own (pi_prox, detached here): the
     token's advantage is how much more the teacher likes it than the policy being trained does, so its mean over the
-    policy's samples is -KL(pi_theta || pi_teacher), the reverse KL that the surrogate's gradient then lowers (mode
-    seeking: the student drops what the teacher would not say rather than spreading over everything it might). The
-    log-ratio is clamped like every other one here: a token the teacher finds impossible must give a large but
+    policy's samples is -coef * KL(pi_theta || pi_teacher), the reverse KL that the gradient lowers (mode seeking:
+    the student drops what the teacher would not say rather than spreading over everything it might). The samples
+    come from pi_gen, up to max_staleness versions older: the surrogate's importance weight and IcePop correct that.
+    The log-ratio is clamped like every other one here: a token the teacher finds impossible must give a large but
     finite push, never inf."""
     kl = (logp.detach() - teacher_logp.to(logp.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
     adv = -coef * kl

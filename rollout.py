@@ -350,7 +350,7 @@ class Generator:
         }
         if not issubclass(self.env_cls, SingleTurn):  # (the reward hook has no close: single-turn rows stay as is)
             metrics["rollout/env_close_failures"] = self.close_failures  # counted apart: they changed no trajectory
-        if self.teacher is not None:  # on-policy distillation: the teacher's logprob of every model token it trains on
+        if self.teacher is not None:  # on-policy distillation: the teacher's logprob of every model token of the batch
             metrics["perf/teacher_s"] = self.teacher.score(samples)
         if self.dump_fraction > 0 and self.run_dir is not None:
             self._dump(episodes)

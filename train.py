@@ -277,8 +277,9 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
                         packed_forward(model, dummy_rows(model), cfg.rollout.temperature)
                 continue
             a = adv[mb.samples].to(device)  # [B] the outcome advantages, or with a teacher [B, T] per token:
-            if teacher_logp is not None:  # coef * (log pi_teacher - log pi_theta) (+ the outcome's with distill.outcome)
-                a, kl = grpo.distill_advantages(mb.pad(teacher_logp[mb.tokens]), mb.pad(logp), d.coef, a if d.outcome else None)
+            if teacher_logp is not None:  # coef * (log pi_teacher - log pi_prox) (+ the outcome's with distill.outcome)
+                a, kl = grpo.distill_advantages(mb.pad(teacher_logp[mb.tokens]), mb.pad(logp), d.coef,
+                                                a if d.outcome else None)
                 sums["distill_kl"] = sums.get("distill_kl", 0.0) + kl[mb.mask].sum()  # the reverse KL to the teacher
             loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), a, mb.mask, g,
                                        ref_logp=None if ref_model is None else mb.pad(ref_logp[mb.tokens]),

@@ -207,8 +207,8 @@ class TrainConfig:
 @dataclass
 class DistillConfig:
     # On-policy distillation (grpo.distill_advantages, machinery/teacher.py): a teacher scores every token the policy
-    # samples, by one prefill on the generator's device, and each token's advantage becomes coef * (log pi_teacher -
-    # log pi_theta): a dense reward that learns from every token. The teacher: a local directory or Hub id like
+    # samples, by a prefill on the generator's device, and each token's advantage becomes coef * (log pi_teacher -
+    # log pi_prox): a dense reward that learns from every token. The teacher: a local directory or Hub id like
     # model.path, sharing the student's tokenizer (checked at start-up). null: no distillation
     teacher: str | None = None
     coef: float = 1.0  # the weight of the per-token distillation advantage

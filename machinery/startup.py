@@ -3,8 +3,9 @@ Start-up: from the command line to a loaded run, everything train.main needs bef
 the config (the YAML, overrides, or the run's own on --resume) -> --dry-run's memory plan -> devices and the
 process group -> Hub ids fetched once per machine and pinned -> files checked -> the architecture (config.json
 alone) -> other processes launched (train.pairs) -> the memory plan against the real GPU -> config.yaml ->
-seeds and threads -> the tokenizer, the reward or env, every prompt tokenized -> the learner's weights (its FSDP
-shards; on resume the latest readable checkpoint) -> the engine -> the metrics log and the signal handler.
+seeds and threads -> the tokenizer (a distillation teacher's must be the same), the reward or env, every prompt
+tokenized -> the learner's weights (its FSDP shards; on resume the latest readable checkpoint) -> the engine -> the
+metrics log and the signal handler. (The distillation teacher's weights load when RL starts: train.train_rl.)
 
 Each check fails with one line naming the key or file (config.ConfigError), before any weights load where it can.
 """
