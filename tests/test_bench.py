@@ -200,3 +200,41 @@ def test_memory_graph_buckets_table():
     assert len(again["buckets"]) == 2 and again["calls"][1]["same_as_before"]
     assert "(the call before's graphs, kept)" in gpu_memory.graphs_markdown(again)
     assert gpu_memory.graph_memory([("decode call", None)], logged.append)["calls"][0]["buffers"] is None
+
+
+def fake_run(run_dir, accuracies, greedy=0.5, t0=100.0, step_s=2.0, extra=None):
+    """A finished run's metrics.jsonl: RL step 0 at t0 s, an eval every 25 steps with these sampled accuracies."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"stage": "sft", "step": 1, "time/elapsed_s": 1.0}) + "\n")
+        for step in range(0, 25 * (len(accuracies) - 1) + 1):
+            row = {"stage": "rl", "step": step, "time/elapsed_s": t0 + step * step_s} | (extra or {})
+            if step % 25 == 0:
+                row |= {"eval/synthetic/accuracy": accuracies[step // 25], "eval/synthetic/greedy_accuracy": greedy}
+            f.write(json.dumps(row) + "\n")
+
+
+def test_distill_bench_tabulates_the_step_and_seconds_to_90_percent_of_the_teacher(tmp_path):
+    """bench/distill.py's table from finished runs: the target is 90% of the teacher's final sampled accuracy, each
+    student's first eval at or above it gives its RL step and the RL stage's seconds to get there."""
+    from bench import distill
+    runs = str(tmp_path)
+    fake_run(os.path.join(runs, "teacher_s0"), [0.1, 0.2, 0.3, 0.4, 0.5] + [0.6] * 6)  # 11 evals: steps 0..250
+    fake_run(os.path.join(runs, "s0_distill"), [0.1, 0.5, 0.53, 0.6] + [0.6] * 7, extra={"train/distill_kl": 0.5})
+    fake_run(os.path.join(runs, "s0_both"), [0.1] * 11)  # never reaches 54%
+    text = distill.table(runs, [0])
+    assert "90% of it: **54.0%**" in text
+    lines = {line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| 0 |")}
+    assert lines["distillation alone"].split("|")[5:7] == [" 75 ", " 150 "]  # step 75, 75 steps x 2 s
+    assert lines["GRPO alone"].split("|")[5:7] == [" 125 ", " 250 "]
+    assert "not reached" in lines["distillation + GRPO"] and "0.500 -> 0.500" in lines["distillation alone"]
+
+
+def test_moe_demo_bench_tabulates_replay_on_and_off(tmp_path):
+    from bench import moe_demo
+    gaps = {"routing/agree": 0.98, "routing/logp_diff_mean_replay": 0.01, "routing/logp_diff_mean_fresh": 0.02,
+            "train/logp_diff_max": 1.5}
+    fake_run(os.path.join(str(tmp_path), "s0_rollout"), [0.1, 0.2, 0.3, 0.4, 0.5] + [0.6] * 6, extra=gaps)
+    text = moe_demo.table(str(tmp_path), [0, 1])
+    assert "| 0 | replay on | 10.0% -> 50.0% -> **60.0%** | 50.0% -> 50.0% | 0.980 | 0.0100 | 0.0200 | 1.50 | - |" in text
+    assert "| mean (1) | replay on | **60.0%** | 50.0% |" in text and "replay off" not in text
