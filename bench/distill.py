@@ -17,7 +17,6 @@ T = 2.0) at RL steps 0, 100 and 250, greedy accuracy at the end, and the first e
 (time/elapsed_s at that eval minus at RL step 0: the warm-ups are the same for every mode). --write puts the table
 in docs/benchmarks.md; the README's is the same table.
 """
-import argparse
 import json
 import os
 import statistics
@@ -28,6 +27,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench import demo_args  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 
 MODES = {"distill": "distillation alone", "both": "distillation + GRPO", "grpo": "GRPO alone"}
@@ -109,12 +109,7 @@ def table(runs, seeds):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=os.path.join(ROOT, "runs", "distill"), help="where the runs go (kept: reruns skip them)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--table-only", action="store_true", help="tabulate the finished runs, run nothing")
-    ap.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md")
-    args = ap.parse_args()
+    args = demo_args(__doc__, os.path.join(ROOT, "runs", "distill"))
     if not args.table_only:
         run(runs_dir(args.runs, 0, "grpo"), 0, [])  # the teacher
         teacher = teacher_checkpoint(args.runs)

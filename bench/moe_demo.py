@@ -12,7 +12,6 @@ learner-generator gap with replay and without (routing/logp_diff_mean_replay, _f
 routing_metrics' extra forward) and of each step's worst token's gap (train/logp_diff_max). --write puts the table
 in docs/benchmarks.md; the README's is the same table.
 """
-import argparse
 import json
 import os
 import re
@@ -25,6 +24,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench import demo_args  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "tiny_moe_cpu.yaml")
@@ -86,12 +86,7 @@ def table(runs, seeds):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", default=os.path.join(ROOT, "runs", "moe_demo"), help="where the runs go (reruns skip them)")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--table-only", action="store_true", help="tabulate the finished runs, run nothing")
-    ap.add_argument("--write", action="store_true", help="put the table into docs/benchmarks.md")
-    args = ap.parse_args()
+    args = demo_args(__doc__, os.path.join(ROOT, "runs", "moe_demo"))
     if not args.table_only:
         for seed in args.seeds:
             for mode in MODES:
