@@ -1,5 +1,9 @@
 """Scripts that measure what docs/benchmarks.md reports (each says how to run it), and what they share."""
 import json
+import os
+import shutil
+import subprocess
+import sys
 
 
 def write_results(args, result, md):
@@ -10,6 +14,39 @@ def write_results(args, result, md):
     if args.md:
         with open(args.md, "w") as f:
             f.write(md + "\n")
+
+
+# ----------------------------------------------------------------------------- demos: whole runs, one at a time
+# (bench/distill.py, bench/moe_demo.py)
+
+
+def metrics_rows(run_dir):
+    """The run's metrics.jsonl rows ([] before it has any)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def finished(run_dir):
+    """Whether the run's last row is its final RL step's (the one with the last eval's greedy accuracy)."""
+    rows = metrics_rows(run_dir)
+    return bool(rows) and rows[-1]["stage"] == "rl" and "eval/synthetic/greedy_accuracy" in rows[-1]
+
+
+def run_once(run_dir, *args):
+    """`python train.py ARGS run_dir=RUN_DIR`, timed by /usr/bin/time -v where there is one (its output, with the
+    run's, in RUN_DIR.log), unless RUN_DIR already holds a finished run; an unfinished one is started over."""
+    if finished(run_dir):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    timer = ["/usr/bin/time", "-v"] if os.path.exists("/usr/bin/time") else []
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [*timer, sys.executable, os.path.join(root, "train.py"), *args, f"run_dir={run_dir}"]
+    print("$", " ".join(cmd), flush=True)
+    with open(run_dir + ".log", "w") as log:
+        subprocess.run(cmd, check=True, cwd=root, stdout=log, stderr=subprocess.STDOUT)
 
 
 def demo_args(doc, default_runs):

@@ -17,17 +17,16 @@ T = 2.0) at RL steps 0, 100 and 250, greedy accuracy at the end, and the first e
 (time/elapsed_s at that eval minus at RL step 0: the warm-ups are the same for every mode). --write puts the table
 in docs/benchmarks.md; the README's is the same table.
 """
-import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench import demo_args  # noqa: E402
+from bench import demo_args, finished, run_once  # noqa: E402
+from bench import metrics_rows as rows  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 
 MODES = {"distill": "distillation alone", "both": "distillation + GRPO", "grpo": "GRPO alone"}
@@ -37,27 +36,6 @@ ACC, GREEDY = "eval/synthetic/accuracy", "eval/synthetic/greedy_accuracy"
 def teacher_checkpoint(runs):
     root = os.path.join(runs, "teacher_s0", "checkpoints")
     return os.path.join(root, sorted(os.listdir(root))[-1])
-
-
-def finished(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
-    return os.path.exists(path) and any(r["stage"] == "rl" and GREEDY in r for r in rows(run_dir)[-1:])
-
-
-def rows(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def run(run_dir, seed, extra):
-    """`python train.py seed=S run_dir=D ...`, unless D already holds a finished run (an unfinished one is redone)."""
-    if finished(run_dir):
-        return
-    subprocess.run(["rm", "-rf", run_dir], check=True)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), f"seed={seed}", f"run_dir={run_dir}", *extra]
-    print("$", " ".join(cmd[1:]), flush=True)
-    with open(run_dir + ".log", "w") as log:
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
 def runs_dir(runs, seed, mode):
@@ -111,13 +89,13 @@ def table(runs, seeds):
 def main():
     args = demo_args(__doc__, os.path.join(ROOT, "runs", "distill"))
     if not args.table_only:
-        run(runs_dir(args.runs, 0, "grpo"), 0, [])  # the teacher
+        run_once(runs_dir(args.runs, 0, "grpo"), "seed=0")  # the teacher
         teacher = teacher_checkpoint(args.runs)
         for seed in args.seeds:
             for mode in MODES:
                 extra = {"distill": [f"distill.teacher={teacher}"], "grpo": [],
                          "both": [f"distill.teacher={teacher}", "distill.outcome=true"]}[mode]
-                run(runs_dir(args.runs, seed, mode), seed, extra)
+                run_once(runs_dir(args.runs, seed, mode), f"seed={seed}", *extra)
     text = table(args.runs, args.seeds)
     print(text)
     if args.write:

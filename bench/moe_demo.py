@@ -12,48 +12,21 @@ learner-generator gap with replay and without (routing/logp_diff_mean_replay, _f
 routing_metrics' extra forward) and of each step's worst token's gap (train/logp_diff_max). --write puts the table
 in docs/benchmarks.md; the README's is the same table.
 """
-import json
 import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench import demo_args  # noqa: E402
+from bench import demo_args, finished, run_once  # noqa: E402
+from bench import metrics_rows as rows  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "tiny_moe_cpu.yaml")
 MODES = {"rollout": "replay on", "none": "replay off"}
-
-
-def rows(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def finished(run_dir):
-    rl = [r for r in rows(run_dir) if r["stage"] == "rl"]
-    return bool(rl) and "eval/synthetic/greedy_accuracy" in rl[-1]
-
-
-def run(run_dir, seed, replay):
-    if finished(run_dir):
-        return
-    shutil.rmtree(run_dir, ignore_errors=True)
-    timer = ["/usr/bin/time", "-v"] if os.path.exists("/usr/bin/time") else []
-    cmd = [*timer, sys.executable, os.path.join(ROOT, "train.py"), "--config", CONFIG, f"seed={seed}",
-           f"model.routing_replay={replay}", f"run_dir={run_dir}"]
-    print("$", " ".join(cmd), flush=True)
-    with open(run_dir + ".log", "w") as log:
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
 
 def table(runs, seeds):
@@ -90,7 +63,8 @@ def main():
     if not args.table_only:
         for seed in args.seeds:
             for mode in MODES:
-                run(os.path.join(args.runs, f"s{seed}_{mode}"), seed, mode)
+                run_once(os.path.join(args.runs, f"s{seed}_{mode}"), "--config", CONFIG, f"seed={seed}",
+                         f"model.routing_replay={mode}")
     text = table(args.runs, args.seeds)
     print(text)
     if args.write:

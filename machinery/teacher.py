@@ -42,16 +42,18 @@ def check_tokenizer(cfg, tokenizer):
 
 
 class Teacher:
-    """A frozen GLM on the generator's device (bf16 on a GPU, fp32 on a CPU; quantization fp8: its decoder linears
-    block-wise e4m3, as the generator's). forward: train.packed_forward, the learner's own, so the teacher's
-    log-probs are computed exactly as the student's are (passed in: machinery never imports the spine)."""
+    """A frozen GLM on the generator's device in the generator's dtype (dtype None: bf16 on a GPU, fp32 on a CPU;
+    quantization fp8: its decoder linears block-wise e4m3, as the generator's). forward: train.packed_forward, the
+    learner's own, so the teacher's log-probs are computed exactly as the student's are (passed in: machinery never
+    imports the spine)."""
 
-    def __init__(self, path, device, forward, *, temperature, max_tokens, quantization=None, outcome=False):
+    def __init__(self, path, device, forward, *, temperature, max_tokens, quantization=None, outcome=False, dtype=None):
         gpu = torch.device(device).type == "cuda"
+        dtype = dtype or (torch.bfloat16 if gpu else torch.float32)
         # fp8 on a GPU: loaded and quantized in host memory, then moved, so the GPU never holds the bf16 teacher beside
         # the engine (GLM-Z1-32B: 65 GB bf16, 33 GB fp8)
         host = quantization == "fp8" and gpu
-        model = GLM.from_pretrained(path, device="cpu" if host else device, dtype=torch.bfloat16 if gpu else None)
+        model = GLM.from_pretrained(path, device="cpu" if host else device, dtype=dtype)
         if quantization == "fp8":
             fp8.quantize_model_(model)
         self.model = model.to(device).eval().requires_grad_(False)

@@ -84,6 +84,44 @@ def test_fp8_teacher_holds_e4m3_linears_and_scores_near_its_bf16_self(tmp_path):
     assert 0 < (x - y).abs().max() < 0.2 and (x - y).abs().mean() < 0.05
 
 
+def test_a_bf16_teacher_scores_to_bf16_precision(tmp_path):
+    """The GPU's dtype on the CPU: bf16 weights (as a GPU teacher holds them, dsa.FP32_PARAMS kept fp32), no autocast,
+    against the float64 forward, DSA top-k inside: within bf16 rounding of 2 layers; and fp8 quantized from those bf16 weights (the GPU
+    path: loaded in bf16, quantized in host memory) stays near them."""
+    tok = data.make_tiny_tokenizer()
+    path, model = teacher_dir(tmp_path, tok, dsa=True, noise=0.03)
+    bf16 = Teacher(path, "cpu", train.packed_forward, temperature=0.7, max_tokens=24, dtype=torch.bfloat16)
+    q = Teacher(path, "cpu", train.packed_forward, temperature=0.7, max_tokens=24, dtype=torch.bfloat16, quantization="fp8")
+    assert bf16.model.lm_head.weight.dtype == torch.bfloat16 and any(isinstance(m, FP8Linear) for m in q.model.modules())
+    a, b = samples(len(tok), seed=2), samples(len(tok), seed=2)
+    bf16.score(a), q.score(b)
+    got = torch.tensor([v for s in a for v in s.teacher_logprobs], dtype=torch.float64)
+    want = torch.tensor([v for s in a for v in reference(model, s, 0.7)], dtype=torch.float64)
+    err = (got - want).abs()  # bf16 rounds (not 0), and may flip a DSA top-k key choice (a token's ~0.1); a wrong
+    assert 0 < err.mean() < 0.02 and err.max() < 0.2  # token or position would be off by ~1 nat
+    err8 = (torch.tensor([v for s in b for v in s.teacher_logprobs], dtype=torch.float64) - got).abs()
+    assert 0 < err8.mean() < 0.08 and err8.max() < 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_teacher_bf16_and_fp8_score_as_the_cpu_one(tmp_path):
+    """On a GPU: the bf16 teacher, and the fp8 one quantized in host memory then moved, score as the CPU's fp32
+    teacher to bf16 / fp8 precision; the fp8 teacher's weights are on the GPU in e4m3."""
+    tok = data.make_tiny_tokenizer()
+    path, _ = teacher_dir(tmp_path, tok, dsa=False, noise=0.03)
+    ref = samples(len(tok), seed=3)
+    Teacher(path, "cpu", train.packed_forward, temperature=1.0, max_tokens=64).score(ref)
+    want = torch.tensor([v for s in ref for v in s.teacher_logprobs])
+    for quantization, (mean, most) in ((None, (0.02, 0.2)), ("fp8", (0.08, 0.5))):
+        t = Teacher(path, "cuda", train.packed_forward, temperature=1.0, max_tokens=64, quantization=quantization)
+        linear = next(m for m in t.model.modules() if isinstance(m, (FP8Linear, torch.nn.Linear)) and m is not t.model.lm_head)
+        assert linear.weight.is_cuda and linear.weight.dtype == (torch.float8_e4m3fn if quantization else torch.bfloat16)
+        got = samples(len(tok), seed=3)
+        t.score(got)
+        err = (torch.tensor([v for s in got for v in s.teacher_logprobs]) - want).abs()
+        assert err.mean() < mean and err.max() < most
+
+
 def test_a_teacher_with_another_vocabulary_is_refused_in_one_line(tmp_path):
     """The student's tokenizer and the teacher's must map every token alike: the synthetic task's tokenizer and a
     teacher saved with it pass; one saved with the tool tokenizer (one more special token) is refused before any
