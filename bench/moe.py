@@ -41,9 +41,12 @@ no longer than DSA's top-k (a check that they hold the same weights).
    256 requests of heavy-tailed lengths; transformers runs batches of --batch in order, each to its longest
    member) and its count (requested new tokens per second), per-token logprobs from both. On flash: --gen-batch
    rows of --prompt-token prompts, --new-tokens each, prefill (a 1-token generate) and decode tokens/s, ours with
-   CUDA graphs and eagerly, transformers without its scores (a [rows, 154880] float tensor per step).
+   CUDA graphs and eagerly, transformers without its scores (a [rows, 154880] float tensor per step), then ours
+   with fp8 weights (machinery/fp8.quantize_model_ of the same generator: the routed experts in FP8Experts' grouped
+   kernel), graphs and eager.
 """
 import argparse
+import copy
 import dataclasses
 import gc
 import json
@@ -62,7 +65,7 @@ from bench import write_results  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from bench.engine import engine_runner, timed, workloads  # noqa: E402
 from bench.learner import SHAPES as LEARNER_SHAPES  # noqa: E402
-from machinery import config  # noqa: E402
+from machinery import config, fp8  # noqa: E402
 from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from machinery.parallel import autocast  # noqa: E402
 import model as model_py  # noqa: E402
@@ -420,14 +423,17 @@ def engine_part(arch, path, device, args):
 
 
 def flash_engine(gen, hf, arch, device, args):
-    """Prefill and decode tokens/s at each --gen-batch: ours with CUDA graphs (on CUDA) and eagerly, transformers."""
+    """Prefill and decode tokens/s at each --gen-batch: ours with CUDA graphs (on CUDA) and eagerly, transformers, and
+    ours again with fp8 weights (rollout.quantization: fp8; the routed experts through FP8Experts) unless --no-fp8."""
     g = torch.Generator().manual_seed(2)
     rows = []
     args.routes.append(carries_routes(gen))
+    fp8_gen = None if args.no_fp8 else fp8.quantize_model_(copy.deepcopy(gen))
     for B in [int(b) for b in str(args.gen_batch).split(",")]:
         prompts = [torch.randint(2, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(B)]
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=())
         kinds = (["graphs"] if device.type == "cuda" else []) + ["eager"] + (["hf"] if hf is not None else [])
+        kinds += [f"fp8 {k}" for k in kinds if k != "hf"] if fp8_gen is not None else []
         for kind in kinds:
             if kind == "hf":
                 ids = torch.tensor(prompts, device=device)
@@ -440,7 +446,7 @@ def flash_engine(gen, hf, arch, device, args):
                     sync(device)
                     assert out.shape[1] == args.prompt + n
             else:
-                eng = TorchEngine(gen, max_batch=B, graphs=kind == "graphs")
+                eng = TorchEngine(fp8_gen if kind.startswith("fp8") else gen, max_batch=B, graphs=kind.endswith("graphs"))
 
                 def gen_n(n, eng=eng):
                     out = eng.generate(prompts, dataclasses.replace(sampling, max_new_tokens=n), seed=0)
@@ -455,7 +461,7 @@ def flash_engine(gen, hf, arch, device, args):
                         gen_n(n)
                         times[n] = time.perf_counter() - t0
                 note = ""
-                if kind == "graphs" and (eng.graphs is None or eng.graphs.failed or not eng.graphs.graphs):
+                if kind.endswith("graphs") and (eng.graphs is None or eng.graphs.failed or not eng.graphs.graphs):
                     note = "CUDA graphs fell back to eager"
                 decode = B * (args.new_tokens - 1) / max(times[args.new_tokens] - times[1], 1e-9)
                 rows.append(dict(rows=B, side=kind, prefill_s=times[1], prefill_tokens_per_s=B * args.prompt / times[1],
@@ -555,7 +561,8 @@ def markdown(result):
         lines += [f"| {r['shape']} | {r['workload']} | {r['side']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | "
                   f"{r['vs_hf']:.2f}x |" for r in other]
     if flash_rows:
-        names = {"graphs": "TorchEngine, CUDA graphs", "eager": "TorchEngine, eager", "hf": "transformers `generate`"}
+        names = {"graphs": "TorchEngine, CUDA graphs", "eager": "TorchEngine, eager", "hf": "transformers `generate`",
+                 "fp8 graphs": "TorchEngine fp8, CUDA graphs", "fp8 eager": "TorchEngine fp8, eager"}
         lines += ["", "| rows | engine | prefill s | prefill tokens / s | decode s | decode tokens / s | peak GiB | "
                       "held before GiB |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in flash_rows:
@@ -613,6 +620,7 @@ def main(argv=None):
     ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", default=None,
                     help="flash: no gradient checkpointing (default on there, off on tiny / wide, as their configs)")
     ap.add_argument("--no-hf", action="store_true", help="ours only (no transformers side)")
+    ap.add_argument("--no-fp8", action="store_true", help="flash: no fp8 generator rows")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="the file --write updates")

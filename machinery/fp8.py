@@ -58,7 +58,9 @@ In the model (`quantize_model_`): every quantized nn.Linear becomes an `FP8Linea
 the engine copies published weights into by name, lists them: "<layer>.weight" and "<layer>.weight_scale_inv",
 DeepSeek's names), and every model.Experts an `FP8Experts` ("<experts>.gate_up_proj" and
 "<experts>.gate_up_proj_scale_inv", the same for down_proj), which computes kernels/moe.experts_forward with
-one fp8_linear per expert and projection. Quantize after any cast: `model.to(dtype)` / `GLM.cast_` treat fp8
+fp8 matmuls: where the Triton kernel runs, one grouped launch per projection for every expert
+(`triton_grouped_linear`: its row tiles worked out on the device, so decode graphs capture it), else one
+fp8_linear per expert and projection. Quantize after any cast: `model.to(dtype)` / `GLM.cast_` treat fp8
 as a float dtype and would convert the codes without their scales (fp8_linear then refuses the weight). `quantized_weights` turns
 the publisher's (name, tensor) stream into the same stream with each quantized weight replaced by its codes
 and scales, one tensor at a time; `weight_bytes` is what a generator's weights take with fp8 (memory.py).
@@ -234,13 +236,25 @@ def _has_scaled_mm() -> bool:
 triton = tl = None  # imported on first use (dsa_triton's rule: importing this file needs no triton)
 
 
-def _gemm_kernel(X, W, WS, BIAS, Y, M, N, K, sxm, sxk, swn, swk, swsn, swsk, sym, syn,
+def _gemm_kernel(X, W, WS, BIAS, Y, TILES, M, N, K, sxm, sxk, swe, swn, swk, swse, swsn, swsk, sym, syn,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+                 AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr, GROUPED: tl.constexpr):
+    if GROUPED:  # this program's row tile, from the table [3, T]: its expert, first row, and the expert's row end
+        t = tl.program_id(0)
+        e = tl.load(TILES + t).to(tl.int64)
+        m0 = tl.load(TILES + tl.num_programs(0) + t)
+        m1 = tl.load(TILES + 2 * tl.num_programs(0) + t)  # <= m0 for a tile past the last expert's: nothing to do
+        W += e * swe
+        WS += e * swse
+    else:
+        m0 = tl.program_id(0) * BM
+        m1 = M
+    offs_m = m0 + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
-    mmask = offs_m < M
+    mmask = offs_m < m1
     nmask = offs_n < N
+    if GROUPED:
+        nmask = nmask & (offs_n * 0 + m0 < m1)  # an empty tile reads no weights
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
@@ -299,11 +313,53 @@ def triton_linear(x, weight, weight_scale_inv, bias=None):
     BM, BN, warps = _tiles(M)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on x's GPU
         kernel[(_cdiv(M, BM), _cdiv(N, BN))](
-            x2, weight, weight_scale_inv, bias if bias is not None else y, y, M, N, K, *x2.stride(),
-            *weight.stride(), *weight_scale_inv.stride(), *y.stride(), BM=BM, BN=BN, BK=BLOCK,
-            HAS_BIAS=bias is not None, AMAX_MIN=AMAX_MIN, QMAX=E4M3_MAX, ROUND_FIRST=interpret,
+            x2, weight, weight_scale_inv, bias if bias is not None else y, y, y, M, N, K, *x2.stride(),
+            0, *weight.stride(), 0, *weight_scale_inv.stride(), *y.stride(), BM=BM, BN=BN, BK=BLOCK,
+            HAS_BIAS=bias is not None, AMAX_MIN=AMAX_MIN, QMAX=E4M3_MAX, ROUND_FIRST=interpret, GROUPED=False,
             num_warps=warps, num_stages=3)
     return y.view(*lead, N)
+
+
+def _tile_table(ends, BM: int, T: int):
+    """The grouped kernel's row tiles, computed on the device (no host read, so a CUDA graph can capture it):
+    ends [E] (int, cumulative: expert e owns rows ends[e-1]:ends[e]) -> int32 [3, T]: per tile its expert, first
+    row, and that expert's row end. Expert e takes ceil(n_e / BM) tiles, so T = ceil(M / BM) + E always suffices;
+    tiles past the last expert's get row end 0 (the kernel skips them)."""
+    E = ends.shape[0]
+    ends = ends.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])  # [E]
+    tiles = (ends - starts + BM - 1) // BM  # [E]
+    last = tiles.cumsum(0)  # [E]: one past each expert's last tile
+    t = torch.arange(T, device=ends.device)
+    e = torch.searchsorted(last, t, right=True)  # [T]: E past the end
+    ec = e.clamp(max=E - 1)
+    m0 = starts[ec] + (t - (last[ec] - tiles[ec])) * BM
+    m1 = torch.where(e < E, ends[ec], 0)
+    return torch.stack([ec, m0, m1]).to(torch.int32)
+
+
+def triton_grouped_linear(x, weight, weight_scale_inv, ends):
+    """Every expert's fp8 linear in one launch: x [M, K] with rows sorted by expert, weight fp8 [E, N, K], scales
+    [E, Nb, Kb], ends [E] the cumulative row counts (rows ends[e-1]:ends[e] times expert e's weight) -> [M, N] in
+    x.dtype; each row's result is triton_linear's for that row and its expert's matrix. No host read of ends:
+    FP8Experts' forward stays capturable in the engine's CUDA graphs. CUDA, or CPU under TRITON_INTERPRET=1."""
+    if not dsa_triton.available(x):
+        raise RuntimeError("fp8.triton_grouped_linear needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    interpret = dsa_triton._interpret()
+    kernel = _compiled(interpret)
+    (M, K), (E, N, _) = x.shape, weight.shape
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    BM, BN, warps = _tiles(_cdiv(M, E))  # tiles sized for an expert's average share of the rows
+    T = _cdiv(M, BM) + E
+    tiles = _tile_table(ends, BM, T)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        kernel[(T, _cdiv(N, BN))](
+            x, weight, weight_scale_inv, y, y, tiles, M, N, K, *x.stride(), *weight.stride(),
+            *weight_scale_inv.stride(), *y.stride(), BM=BM, BN=BN, BK=BLOCK, HAS_BIAS=False, AMAX_MIN=AMAX_MIN,
+            QMAX=E4M3_MAX, ROUND_FIRST=interpret, GROUPED=True, num_warps=warps, num_stages=3)
+    return y
 
 
 # ----------------------------------------------------------------------------------------------- dispatch
@@ -429,24 +485,30 @@ class FP8Experts(nn.Module):
         out[n] = sum_j w[n, j] * expert_{idx[n, j]}(x[n]), each expert down(silu(gate(x)) * up(x)) in fp8.
 
         As kernels/moe.experts_forward: the N*k (token, expert) slots sorted by expert (stable), each expert's
-        contiguous run of rows through its two fp8 matmuls (a loop over the experts that have tokens, never over
-        tokens; their row counts read on the host: one sync per layer), back in slot order by the inverse
-        permutation, weighted (the product rounded to x's dtype) and summed over k in fp32, rounded once."""
+        contiguous run of rows through its two fp8 matmuls, back in slot order by the inverse permutation,
+        weighted (the product rounded to x's dtype) and summed over k in fp32, rounded once. Where the Triton
+        kernel runs (CUDA; CPU under TRITON_INTERPRET=1), each projection is one grouped launch whose row tiles
+        are worked out on the device, so the engine's CUDA graphs capture it; elsewhere a loop over the experts
+        that have tokens (never over tokens), their row counts read on the host."""
         N, H = x.shape
         k, E = idx.shape[1], self.gate_up_proj.shape[0]
         flat = idx.reshape(-1).long()  # [N*k]: slot n*k + j is token n's j-th expert
         order = torch.argsort(flat, stable=True)  # [N*k]
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        ends = torch.bincount(flat, minlength=E).cumsum(0).tolist()  # [E]: where each expert's rows end
+        ends = torch.searchsorted(flat.index_select(0, order), torch.arange(E, device=flat.device), right=True)  # [E]
         xs = x[:, None].expand(N, k, H).reshape(N * k, H).index_select(0, order)  # [N*k, H], sorted by expert
-        outs, start = [], 0
-        for e, end in enumerate(ends):
-            if end > start:
-                h = fp8_linear(xs[start:end], self.gate_up_proj[e], self.gate_up_proj_scale_inv[e])  # [n_e, 2I]
-                gate, up = h.chunk(2, dim=-1)
-                outs.append(fp8_linear(F.silu(gate) * up, self.down_proj[e], self.down_proj_scale_inv[e]))  # [n_e, H]
-            start = end
-        ys = torch.cat(outs) if outs else x.new_zeros(0, H)  # [N*k, H], sorted
+        if "triton" in _working_paths(x.device):  # one launch per projection, no host read (graph-capturable)
+            gate, up = triton_grouped_linear(xs, self.gate_up_proj, self.gate_up_proj_scale_inv, ends).chunk(2, -1)
+            ys = triton_grouped_linear(F.silu(gate) * up, self.down_proj, self.down_proj_scale_inv, ends)  # [N*k, H]
+        else:  # a loop over the experts that have rows, their ends read on the host
+            outs, start = [], 0
+            for e, end in enumerate(ends.tolist()):
+                if end > start:
+                    h = fp8_linear(xs[start:end], self.gate_up_proj[e], self.gate_up_proj_scale_inv[e])  # [n_e, 2I]
+                    gate, up = h.chunk(2, dim=-1)
+                    outs.append(fp8_linear(F.silu(gate) * up, self.down_proj[e], self.down_proj_scale_inv[e]))
+                start = end
+            ys = torch.cat(outs) if outs else x.new_zeros(0, H)  # [N*k, H], sorted
         ys = ys.index_select(0, inverse).view(N, k, H)
         return (ys * w.to(ys.dtype)[..., None]).sum(1)
 

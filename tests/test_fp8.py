@@ -14,6 +14,7 @@ import copy
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from machinery import fp8
 from conftest import compile_for_h100
@@ -256,15 +257,16 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 fn = JITFunction(fp8._gemm_kernel)
 for M in (1, 4096):  # a decode step (mma.sync tiles of 16 rows) and a prefill (wgmma)
+  for grouped in (False, True):  # one matrix; every expert's in one launch (FP8Experts)
     BM, BN, warps = fp8._tiles(M)
-    consts = dict(BM=BM, BN=BN, BK=128, HAS_BIAS=True, AMAX_MIN=fp8.AMAX_MIN, QMAX=fp8.E4M3_MAX, ROUND_FIRST=False,
-                  sxk=1, swk=1, swsk=1, syn=1)
-    ptr = dict(X="*bf16", W="*fp8e4nv", WS="*fp32", BIAS="*bf16", Y="*bf16")
+    consts = dict(BM=BM, BN=BN, BK=128, HAS_BIAS=not grouped, AMAX_MIN=fp8.AMAX_MIN, QMAX=fp8.E4M3_MAX,
+                  ROUND_FIRST=False, GROUPED=grouped, sxk=1, swk=1, swsk=1, syn=1)
+    ptr = dict(X="*bf16", W="*fp8e4nv", WS="*fp32", BIAS="*bf16", Y="*bf16", TILES="*i32")
     sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=3))
     assert k.asm["cubin"] and "cvt.rn.satfinite.e4m3x2" in k.asm["ptx"], M
-    print(M, "ok")
+    print(M, grouped, "ok")
 """
 
 
@@ -584,11 +586,32 @@ def experts_case(N=11, k=2, E=5, H=160, I=96, seed=0):
     return x, scores.topk(k, -1).indices, torch.rand(N, k, generator=g), gate_up, down
 
 
+class HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's values back to the host (.tolist(), .item(), int() or bool() of a
+    tensor): on CUDA each is a sync, and inside a CUDA-graph capture an error."""
+    READS = {"tolist", "item", "__bool__", "__int__", "__index__", "__float__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.reads += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path", ["loop", "grouped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_experts_equal_a_token_by_token_loop_of_fp8_linears(dtype):
-    """FP8Experts (sorted by expert, one fp8_linear per expert and projection, unsorted, weighted, summed) against
-    a loop over tokens and their experts of the already tested fp8.reference_linear: the grouping changes nothing
-    but float rounding (fp32: 1e-5; bf16: its 1e-2). A float model's experts_forward (no fp8) differs by more."""
+def test_fp8_experts_equal_a_token_by_token_loop_of_fp8_linears(dtype, path, monkeypatch):
+    """FP8Experts (sorted by expert, each expert's rows through its two fp8 matmuls, unsorted, weighted, summed)
+    against a loop over tokens and their experts of the already tested fp8.reference_linear: the grouping changes
+    nothing but float rounding (fp32: 1e-5; bf16: its 1e-2). A float model's experts_forward (no fp8) differs by
+    more. Both paths: the loop over experts (fp8_linear each, their row counts read on the host), and the grouped
+    Triton kernel (in the interpreter: what CUDA runs) with no host read at all, as a CUDA graph needs."""
+    if path == "grouped":
+        if not _interpreted():
+            pytest.skip("no triton in interpreter mode")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     x, idx, w, gate_up, down = experts_case()
     cfg = GLMConfig(model_type="glm4_moe_lite", hidden_size=160, num_layers=2, num_heads=2, mla={},
                     moe=dict(n_routed_experts=5, moe_intermediate_size=96, num_experts_per_tok=2))
@@ -604,8 +627,10 @@ def test_fp8_experts_equal_a_token_by_token_loop_of_fp8_linears(dtype):
         assert torch.equal(q.gate_up_proj[e].view(torch.uint8), ref_q.view(torch.uint8))
         assert torch.equal(q.gate_up_proj_scale_inv[e], ref_s)
     x = x.to(dtype)
-    got = q(x, idx, w)
+    with HostReads() as watch:
+        got = q(x, idx, w)
     assert got.dtype == dtype and got.shape == x.shape
+    assert (watch.reads == 0) == (path == "grouped"), watch.reads
     ref = torch.zeros(x.shape, dtype=torch.float64)
     for n in range(x.shape[0]):
         for j in range(idx.shape[1]):
@@ -616,6 +641,26 @@ def test_fp8_experts_equal_a_token_by_token_loop_of_fp8_linears(dtype):
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     wrong = [moe_kernels.experts_forward(x, idx, w, gate_up, down)] if dtype == torch.float32 else []
     check(got, ref, tol, wrong, what=f"FP8Experts {dtype}")
+
+
+@pytest.mark.parametrize("counts,BM", [([0, 5, 16, 0, 17, 1], 16), ([3, 0, 0, 2], 4), ([0, 0, 0], 16), ([40], 16)])
+def test_grouped_tile_table_covers_every_row_once_with_its_expert(counts, BM):
+    """fp8._tile_table: the grouped kernel's tiles (expert, first row, that expert's row end) give each row exactly
+    once, to its own expert, in tiles of at most BM rows that never cross an expert's end; the tiles past the
+    last one are empty."""
+    ends = torch.tensor(counts).cumsum(0)
+    M, E = int(ends[-1]), len(counts)
+    T = -(-M // BM) + E
+    tiles = fp8._tile_table(ends, BM, T)
+    assert tiles.shape == (3, T) and tiles.dtype == torch.int32
+    owner = torch.full((M,), -1)
+    for e, m0, m1 in tiles.T.tolist():
+        rows = torch.arange(m0, min(m0 + BM, m1)) if m1 > m0 else torch.arange(0)
+        assert (owner[rows] == -1).all()
+        owner[rows] = e
+        assert m1 <= M
+    want = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    assert torch.equal(owner, want)
 
 
 def test_quantize_model_moe_replaces_linears_and_experts_only():
