@@ -387,10 +387,9 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         if cfg.mla is not None:
             forward += B * S * (2 * cfg.kv_width + 4 * H * 2)
         if cuda_graphs:  # the graphs' pool holds the largest bucket's forward for good (captured first, the others
-            # reuse its memory: one capture stream, logits written into the static buffer) and cuBLAS's workspace
-            # for the capture stream (32 MiB on Hopper); static buffers beside it. A capture's eager warm-up still
-            # runs beside the pool. (Measured on an H100, bench/gpu_memory.py: the first bucket keeps 0.031 GiB +
-            # its forward, each later one nothing.)
+            # reuse its memory on the one capture stream) and cuBLAS's workspace for that stream (32 MiB on Hopper);
+            # static buffers beside it. A capture's eager warm-up still runs beside the pool. (Measured on an H100,
+            # bench/gpu_memory.py: the first capture keeps the workspace, the later ones nothing more.)
             generator += [(f"CUDA graphs' pool: a decode forward of {B} rows + cuBLAS's workspace", forward + 32 * 2**20),
                           (f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]", B * (S * 9 + 16) + 2 * B * V)]
         steps.append(("a decode step (logits, activations, DSA scores, sampling)", forward + sampling))
