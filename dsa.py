@@ -188,7 +188,7 @@ class _IndexGather(torch.autograd.Function):
     def forward(ctx, x, *index):
         ctx.save_for_backward(*index)
         ctx.shape = x.shape
-        return x[index]
+        return _gather_rows(x, index)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -197,17 +197,29 @@ class _IndexGather(torch.autograd.Function):
         n = len(index)
         if grad.is_cuda:
             return grad.new_zeros(shape).index_put_(index, grad, accumulate=True), *[None] * n
-        # x as a table of rows [N, W] (N: its indexed dims, W: the rest); grad [*I, W...] holds M = prod(I)
-        # gathered rows, I being the indices' broadcast shape, and rows [M] says which row each one came from.
         N, W = math.prod(shape[:n]), math.prod(shape[n:])
-        rows = 0
-        for i, size in zip(index, shape[:n]):
-            rows = rows * size + i
-        rows = rows.expand(grad.shape[:grad.dim() - len(shape) + n]).reshape(-1)
+        rows = _rows(index, shape)
         # bf16 (or fp16) gradients are summed in fp32, as the Triton kernel's dK, dV are, and rounded once
         acc = torch.zeros(N, W, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
         acc.index_add_(0, rows, grad.reshape(-1, W).to(acc.dtype))
         return acc.view(shape).to(grad.dtype), *[None] * n
+
+
+def _rows(index, shape):
+    """x as a table of rows [N, W] (N: its first len(index) dims, W: the rest): which row each element of the
+    indices' broadcast shape I reads, flattened -> [prod(I)]."""
+    rows = 0
+    for i, size in zip(index, shape[:len(index)]):
+        rows = rows * size + i
+    return torch.broadcast_to(rows, torch.broadcast_shapes(*(i.shape for i in index))).reshape(-1)
+
+
+def _gather_rows(x, index):
+    """x[index] as one index_select over x's rows (the same copy; on a CPU several times faster than
+    advanced indexing with several index tensors)."""
+    n = len(index)
+    I = torch.broadcast_shapes(*(i.shape for i in index))
+    return x.contiguous().view(-1, *x.shape[n:]).index_select(0, _rows(index, x.shape)).view(*I, *x.shape[n:])
 
 
 def index_gather(x, *index):
@@ -215,7 +227,7 @@ def index_gather(x, *index):
     The same values as plain indexing; differentiable in x with a run-to-run deterministic backward."""
     if torch.is_grad_enabled() and x.requires_grad:
         return _IndexGather.apply(x, *index)
-    return x[index]
+    return _gather_rows(x, index)
 
 
 def _gather(x, idx):
