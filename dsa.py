@@ -236,6 +236,33 @@ def _gather(x, idx):
     return index_gather(x, b, idx)
 
 
+class _RowMatmul(torch.autograd.Function):
+    """a [..., 1, n] @ b [..., n, m]: one row per batch entry (MLA's heads, each with its own key head: no GQA
+    group to share a gathered key). Autograd's backward computes b's gradient a^T @ grad as a batched matmul
+    whose inner dimension is 1, tens of thousands of tiny products, slow on a CPU; it is the outer product
+    a^T * grad, elementwise: one multiplication an entry, so the same bits, several times faster."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        if b.stride(-2) == 1 and b.stride(-1) != 1:  # b a transposed view (keys^T): its gradient laid out as keys
+            return grad @ b.transpose(-1, -2), (grad.transpose(-1, -2) * a).transpose(-1, -2)
+        return grad @ b.transpose(-1, -2), a.transpose(-1, -2) * grad
+
+
+def _matmul(a, b):
+    """a @ b; through _RowMatmul on a CPU where a holds one row per batch entry and autograd records it."""
+    if a.shape[-2] == 1 and a.device.type == "cpu" and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _RowMatmul.apply(a, b)
+    return a @ b
+
+
 def _sparse_chunk(q, kh, vh, idx, valid, scale):
     B, c, H, D = q.shape
     Hkv = kh.shape[1]
@@ -246,9 +273,9 @@ def _sparse_chunk(q, kh, vh, idx, valid, scale):
     ks, vs = index_gather(kh, b, n, idx[:, None]), index_gather(vh, b, n, idx[:, None])
     qg = q.view(B, c, Hkv, H // Hkv, D).transpose(1, 2)  # [B, Hkv, c, G, D]: GQA groups under their KV head
     with fp32_scope(q):  # logits, softmax and the weighted sum in fp32, as a fused kernel keeps them
-        att = (qg.float() @ ks.float().transpose(-1, -2)) * scale  # [B, Hkv, c, G, K]
+        att = _matmul(qg.float(), ks.float().transpose(-1, -2)) * scale  # [B, Hkv, c, G, K]
         att = att.masked_fill(~valid[:, None, :, None, :], float("-inf")).softmax(-1)
-        out = (att @ vs.float()).to(q.dtype).transpose(1, 2).reshape(B, c, H, D)
+        out = _matmul(att, vs.float()).to(q.dtype).transpose(1, 2).reshape(B, c, H, D)
     return out, att.detach().mean((1, 3))  # probs summed over heads, L1-normalised: [B, c, K]
 
 
