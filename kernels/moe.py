@@ -68,6 +68,18 @@ def grouped_mm(a, b, offs):
     return torch.cat(outs)
 
 
+def sort_by_expert(idx, E: int):
+    """idx [N, k] expert ids -> order [N*k] (the (token, expert) slots grouped by expert, a stable sort: tokens in
+    order within one), inverse [N*k] (its inverse permutation) and offs [E] int32 (where each expert's rows end:
+    the count of slots with an id <= e). No host read anywhere (not bincount: on CUDA it reads the largest id back
+    to the host, a sync that would also break the engine's CUDA-graph capture)."""
+    flat = idx.reshape(-1).long()  # [N*k]: slot n*k + j is token n's j-th expert
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    offs = torch.searchsorted(flat.index_select(0, order), torch.arange(E, device=flat.device), right=True)
+    return order, inverse, offs.to(torch.int32)
+
+
 def experts_forward(x, idx, w, gate_up, down):
     """The routed experts' weighted sum: out[n] = sum_j w[n, j] * expert_{idx[n, j]}(x[n]), each expert a SwiGLU
     down @ (silu(gate @ x) * (up @ x)) with gate_up = [gate; up] stacked along dim 1.
@@ -77,13 +89,8 @@ def experts_forward(x, idx, w, gate_up, down):
     linear's weight) -> [N, H] in x's dtype. The product w * expert(x) is rounded to x's dtype, the sum over k
     accumulates in fp32 (torch's reductions do) and is rounded once."""
     N, H = x.shape
-    k, E = idx.shape[1], gate_up.shape[0]
-    flat = idx.reshape(-1).long()  # [N*k]: slot n*k + j is token n's j-th expert
-    order = torch.argsort(flat, stable=True)  # [N*k]: slots grouped by expert, tokens in order within one
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    # [E]: where each expert's rows end, the count of slots with an id <= e (not bincount: on CUDA it reads the
-    # largest id back to the host, a sync that would also break the engine's CUDA-graph capture)
-    offs = torch.searchsorted(flat.index_select(0, order), torch.arange(E, device=flat.device), right=True).to(torch.int32)
+    k = idx.shape[1]
+    order, inverse, offs = sort_by_expert(idx, gate_up.shape[0])
     xs = x[:, None].expand(N, k, H).reshape(N * k, H).index_select(0, order)  # [N*k, H], sorted by expert
     gate, up = grouped_mm(xs, gate_up.to(x.dtype).transpose(1, 2), offs).chunk(2, dim=-1)  # [N*k, I] each
     ys = grouped_mm(F.silu(gate) * up, down.to(x.dtype).transpose(1, 2), offs)  # [N*k, H], sorted

@@ -76,6 +76,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import dsa_triton
+from kernels import moe as moe_kernels
 from dsa import fp32_scope
 from model import GLM, Experts
 
@@ -491,11 +492,8 @@ class FP8Experts(nn.Module):
         are worked out on the device, so the engine's CUDA graphs capture it; elsewhere a loop over the experts
         that have tokens (never over tokens), their row counts read on the host."""
         N, H = x.shape
-        k, E = idx.shape[1], self.gate_up_proj.shape[0]
-        flat = idx.reshape(-1).long()  # [N*k]: slot n*k + j is token n's j-th expert
-        order = torch.argsort(flat, stable=True)  # [N*k]
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        ends = torch.searchsorted(flat.index_select(0, order), torch.arange(E, device=flat.device), right=True)  # [E]
+        k = idx.shape[1]
+        order, inverse, ends = moe_kernels.sort_by_expert(idx, self.gate_up_proj.shape[0])  # [N*k], [N*k], [E]
         xs = x[:, None].expand(N, k, H).reshape(N * k, H).index_select(0, order)  # [N*k, H], sorted by expert
         if "triton" in _working_paths(x.device):  # one launch per projection, no host read (graph-capturable)
             gate, up = triton_grouped_linear(xs, self.gate_up_proj, self.gate_up_proj_scale_inv, ends).chunk(2, -1)

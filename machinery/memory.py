@@ -25,6 +25,8 @@ GiB = 2**30
 # CUDA context (~0.5 GiB), NCCL buffers and the caching allocator's fragmentation (freed blocks of the
 # wrong size): a "fits" that does not leave this much free would not survive a real run.
 OVERHEAD = 3 * GiB
+# cuBLAS's workspace for one stream on Hopper: the CUDA graphs' capture stream keeps one in the graphs' pool
+CUBLAS_WORKSPACE = 32 * 2**20
 
 
 @dataclass
@@ -390,7 +392,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
             # reuse its memory on the one capture stream) and cuBLAS's workspace for that stream (32 MiB on Hopper);
             # static buffers beside it. A capture's eager warm-up still runs beside the pool. (Measured on an H100,
             # bench/gpu_memory.py: the first capture keeps the workspace, the later ones nothing more.)
-            generator += [(f"CUDA graphs' pool: a decode forward of {B} rows + cuBLAS's workspace", forward + 32 * 2**20),
+            generator += [(f"CUDA graphs' pool: a decode forward of {B} rows + cuBLAS's workspace", forward + CUBLAS_WORKSPACE),
                           (f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]", B * (S * 9 + 16) + 2 * B * V)]
         steps.append(("a decode step (logits, activations, DSA scores, sampling)", forward + sampling))
         name, peak = max(steps, key=lambda t: t[1])

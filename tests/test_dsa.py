@@ -545,3 +545,31 @@ def test_training_step_is_bitwise_deterministic(stage, amp, set_threads):
         kl2, grads2 = step()
         assert torch.equal(kl2, kl)
         assert [n for n in grads if not torch.equal(grads[n], grads2[n])] == []
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_mla_shaped_sparse_attention_gradients_are_autograds_bit_for_bit(amp, monkeypatch):
+    """One query row per key head (H = Hkv, MLA's layout): dsa._matmul's outer-product backward gives exactly the
+    gradients of plain autograd matmuls (fp32, and a bf16-autocast forward with the backward outside autocast, as
+    train.py runs it), and the gathered keys equal x[index], from a non-contiguous x too."""
+    B, T, H, D, topk = 2, 19, 4, 8, 6
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, T, H, D, generator=g, requires_grad=True) for _ in range(3))
+    idx, valid = dsa.select_topk(torch.randn(B, T, 2, 8), torch.randn(B, T, 2), torch.randn(B, T, 8),
+                                 AttnMask(torch.arange(T), T), topk)
+    grad_out = torch.randn(B, T, H, D, generator=g)
+
+    def grads():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = dsa.sparse_attention(q, k, v, idx, valid, D ** -0.5)
+        return (out.detach(),) + torch.autograd.grad(out, (q, k, v), grad_out)
+
+    ours = grads()
+    monkeypatch.setattr(dsa, "_matmul", lambda a, b: a @ b)
+    plain = grads()
+    assert all(torch.equal(a, b) for a, b in zip(ours, plain))
+    if not amp:
+        assert rel_err(ours[0].double(), naive_sparse(q.detach(), k.detach(), v.detach(), idx, valid, D ** -0.5)) < 1e-6
+    kt = k.detach().transpose(1, 2)  # [B, H, T, D], not contiguous
+    b, n = torch.arange(B)[:, None, None, None], torch.arange(H)[None, :, None, None]
+    assert torch.equal(dsa.index_gather(kt, b, n, idx[:, None]), kt[b, n, idx[:, None]])
