@@ -106,19 +106,24 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     return torch.cat(logp), torch.cat(ent) if entropy else None, kl
 
 
+ROUTING_PROBE_SAMPLES = 32  # routing_metrics' extra forward: this many samples of each rank's first micro-batch at most
+
+
 def routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, first):
     """MoE diagnostics, summed like the step's other metrics: routing/agree (tokens x MoE layers whose learner
-    top-k set equals the generator's, from the training forward itself) and, on each rank's first micro-batch, the
-    learner-generator gap |log pi_learner - log pi_gen| with replay and without, the second from one more forward
-    (no grad) that routes the other way: the price of the computation routing replay avoids."""
+    top-k set equals the generator's, from the training forward itself) and, on a probe of each rank's first
+    micro-batch (at most ROUTING_PROBE_SAMPLES samples spread over it), the learner-generator gap
+    |log pi_learner - log pi_gen| with replay and without, the second from one more forward (no grad) that routes
+    the other way: the price of the computation routing replay avoids, measured on a sample to keep it cheap."""
     agree, seen = (torch.stack(t).sum(0) for t in zip(*routing.agree))
     out = {"routing_agree": sums.get("routing_agree", 0.0) + agree, "routing_seen": sums.get("routing_seen", 0.0) + seen}
     if first:
+        probe, mine = mb.probe(ROUTING_PROBE_SAMPLES)  # mine [N_probe]: its tokens among mb's
         with torch.no_grad():
-            other = packed_forward(model, mb.rows, temperature, routing=mb.routing(not routing.apply))[0]
-        gaps = {routing.apply: gap, not routing.apply: (other - gen_logp[mb.tokens]).abs()}
+            other = packed_forward(model, probe.rows, temperature, routing=probe.routing(not routing.apply))[0]
+        gaps = {routing.apply: gap[mine], not routing.apply: (other - gen_logp[probe.tokens]).abs()}
         out |= {"routing_gap_replay": gaps[True].sum(), "routing_gap_fresh": gaps[False].sum(),
-                "routing_gap_tokens": torch.tensor(float(len(gap)), device=gap.device)}
+                "routing_gap_tokens": torch.tensor(float(len(mine)), device=gap.device)}
     return out
 
 

@@ -248,6 +248,15 @@ class MicroBatch:
         """[N_mb] (its tokens, sample after sample) -> [B, T], zeros after each sample's tokens."""
         return flat.new_zeros(self.mask.shape).masked_scatter(self.mask, flat)
 
+    def probe(self, n: int) -> tuple["MicroBatch", torch.Tensor]:
+        """At most n of its samples, every ceil(B / n)-th (packing puts the longest first, so a stride spans the
+        lengths), for a diagnostic forward -> (that MicroBatch, where its tokens sit among this one's [N_probe])."""
+        pick = list(range(0, len(self.samples), -(-len(self.samples) // n)))
+        j = torch.tensor(pick, device=self.mask.device)
+        mine = self.pad(torch.arange(len(self.tokens), device=self.mask.device))[j][self.mask[j]]
+        return MicroBatch([self.rows[i] for i in pick], [self.samples[i] for i in pick], self.tokens[mine], self.mask[j],
+                          None if self.routes is None else [self.routes[i] for i in pick]), mine
+
     def routing(self, apply: bool) -> Routing | None:
         """The model.Routing of this packed row (None: a dense model): the generator's experts of every token, the
         samples end to end [n_moe, 1, L, k], model.no_route where none was recorded (a sequence's last token, never
