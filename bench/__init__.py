@@ -41,6 +41,7 @@ def run_once(run_dir, *args):
     if finished(run_dir):
         return
     shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(os.path.dirname(os.path.abspath(run_dir)), exist_ok=True)  # --runs may not exist yet
     timer = ["/usr/bin/time", "-v"] if os.path.exists("/usr/bin/time") else []
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [*timer, sys.executable, os.path.join(root, "train.py"), *args, f"run_dir={run_dir}"]

@@ -32,6 +32,23 @@ def test_micro_batches_in_one_process_are_the_groups():
     assert parallel.combine_ranks({"train/tokens": 5, "train/loss": 1.5}) == {"train/tokens": 5, "train/loss": 1.5}
 
 
+def test_a_micro_batchs_probe_is_a_spread_of_its_samples_with_their_tokens_and_routes():
+    """MicroBatch.probe(n): every ceil(B/n)-th sample (packing put the longest first), with its rows, routes and the
+    positions of its scored tokens, in the flat tensors and among the micro-batch's own, as packing them alone gives."""
+    lengths = [9, 4, 7, 3, 8, 5, 6]  # sample i: i + 2 prompt tokens, then lengths[i] scored ones
+    rows = [(list(range(i + 2 + n)), [(i + 2, n)]) for i, n in enumerate(lengths)]
+    routes = [torch.full((i + 1 + n, 2, 2), i, dtype=torch.uint8) for i, n in enumerate(lengths)]
+    ((_, mb),) = parallel.packed_micro_batches(None, rows, 10**6, "cpu", routes)
+    probe, mine = mb.probe(3)  # 7 samples: every 3rd, so 3 of them
+    assert probe.samples == mb.samples[::3] and probe.rows == [rows[i] for i in probe.samples]
+    assert [int(r[0, 0, 0]) for r in probe.routes] == probe.samples
+    first = [sum(lengths[:i]) for i in range(len(lengths))]  # where sample i's tokens start in the flat tensors
+    assert probe.tokens.tolist() == [first[i] + j for i in probe.samples for j in range(lengths[i])]
+    assert torch.equal(mb.tokens[mine], probe.tokens)
+    assert probe.mask.sum(1).tolist() == [lengths[i] for i in probe.samples]
+    assert mb.probe(100)[0].samples == mb.samples and torch.equal(mb.probe(100)[1], torch.arange(sum(lengths)))
+
+
 # ----------------------------------------------------------------------------- loading sharded
 # torchrun with gloo on the CPU: each of 2 FSDP ranks loads only its rows of every tensor
 # (parallel.load_learner); gathered, the model must equal one process's from_pretrained, bit for bit.
