@@ -49,7 +49,7 @@ broken gate (an engine or generator of your own) shows up as staleness/dropped i
 training.
 
 When do new weights reach the engine? By default between batches only: publish(v) waits until batch
-v + max_staleness - 1 is done, so batch i is sampled wholly by version i - max_staleness, two runs with
+v + max_staleness - 1 is done, so batch i is sampled wholly by version max(0, i - max_staleness), two runs with
 one seed are identical and a resumed run continues exactly. With `partial_rollout` (as in slime and
 AReaL) they land at the next decode step of the batch in flight: generation continues under the new
 weights, keeping the KV cache computed under the old ones (or prefilling it again: rollout.update_mode),

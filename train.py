@@ -20,7 +20,7 @@ One run goes through up to three stages, each skipped when its step count is 0:
                  on a DSA model this is also the sparse stage: top-k attention on, indexer KL on;
   3. rl          asynchronous GRPO. A generator thread (rollout.py) samples and grades groups with its
                  own copy of the weights; the learner pops a batch, trains one step on it and publishes
-                 the new weights. Batch i is sampled by weights i - max_staleness (rollout.py says when).
+                 the new weights. Batch i is sampled by weights max(0, i - max_staleness) (rollout.py says when).
                  Co-located (train.colocate) one GPU serves both in turn, synchronously, each half's memory out
                  during the other's. With distill.teacher (on-policy distillation) a frozen teacher beside the
                  engine scores every sampled token, and each token's advantage becomes how much more the teacher
@@ -119,7 +119,7 @@ def routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, first)
     out = {"routing_agree": sums.get("routing_agree", 0.0) + agree, "routing_seen": sums.get("routing_seen", 0.0) + seen}
     if first:
         probe, mine = mb.probe(ROUTING_PROBE_SAMPLES)  # mine [N_probe]: its tokens among mb's
-        with torch.no_grad():
+        with torch.no_grad(), autocast(gap.device):  # in the training forward's precision (bf16 autocast on GPU)
             other = packed_forward(model, probe.rows, temperature, routing=probe.routing(not routing.apply))[0]
         gaps = {routing.apply: gap[mine], not routing.apply: (other - gen_logp[probe.tokens]).abs()}
         out |= {"routing_gap_replay": gaps[True].sum(), "routing_gap_fresh": gaps[False].sum(),

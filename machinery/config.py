@@ -128,14 +128,14 @@ class RolloutConfig:
     dump_fraction: float = 0.05  # this fraction of each batch's trajectories, as text, to run_dir/rollouts/*.jsonl
     max_prompt_tokens: int = 1024  # prompts longer than this are skipped (all of them: an error at start-up)
     chat_template: bool = True  # render prompts with the tokenizer's chat template
-    max_staleness: int = 1  # batch i is sampled by weights i - max_staleness (one step off-policy); 0: synchronous
+    max_staleness: int = 1  # batch i is sampled by weights max(0, i - max_staleness) (one step off-policy); 0: synchronous
     dynamic_sampling: bool = False  # replace groups whose rewards all agree (zero advantage) with fresh prompts
     # Dynamic sampling's over-sampling: each round draws this fraction more prompts than it still needs and
     # generates them all at once (rows that free up take the extra ones); it stops taking groups, in prompt
     # order, once enough informative ones are done, and cancels the rest. 0: sequential rounds only.
     oversample: float = 0.5
     # false: new weights reach the generator between batches, so batch i is sampled wholly by version
-    # i - max_staleness, which makes runs reproducible and resume exact. true: they land at the next decode
+    # max(0, i - max_staleness), which makes runs reproducible and resume exact. true: they land at the next decode
     # step of the batch in flight (fresher tokens; which token saw which version then depends on timing).
     partial_rollout: bool = False
     # With partial_rollout, what the rows in flight do when weights land: keep_kv (continue over the KV the
