@@ -15,7 +15,7 @@ Every response token t is trained with the PPO clipped surrogate, asymmetric cli
 (written in the default "seq-mean-token-mean" aggregation; see `aggregate` for the others).
 
 Asynchronous RL brings three policies. pi_gen sampled the tokens: at most max_staleness weight versions
-old (rollout.py tells how), and a different kernel stack (bf16 inference engine vs. the trainer).
+old (rollout.py tells how), and a different kernel stack (on a GPU a bf16 inference engine vs. the trainer).
 pi_prox is the learner's own policy at the start of the step (its forward's logprobs, detached: with
 one optimizer step per batch no extra pass is needed). pi_theta is the policy being optimised, equal to
 pi_prox in value but carrying the gradient. The clipped ratio is rho = pi_theta / pi_gen: the trust region is held against the policy that
@@ -43,7 +43,8 @@ teacher scores every token the policy sampled, and each token's advantage is coe
 outcome advantage above. It goes through the same clipped surrogate and the same off-policy corrections, so
 asynchrony stays corrected.
 
-Shapes: B sequences (one per row, right padded), T tokens; `mask` is 1 on response tokens.
+Shapes: B sequences (one per row of a [B, T] tensor, right padded: not train.py's packed rows), T tokens; `mask` is
+1 on response tokens.
 """
 from __future__ import annotations
 

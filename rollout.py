@@ -2,28 +2,10 @@
 RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner
 trains, and eval on the same engine. The engine (machinery/engine.py) samples; the episode loop
 (machinery/env.py: env.run_episodes) plays each trajectory turn by turn on it, and this file grades and
-groups them. Every trajectory is an episode of an env, single-turn math included:
-
-    single turn (no data.env): SingleTurn, below: the prompt, one model turn, then the reward hook
-        reward = data.reward(response_text, example)       # default data.math_reward; any "module:function"
-    many turns (data.env: "module:Class", the README's Lookup is an example): one instance per trajectory,
-        class MyEnv:
-            tools: list[dict] = []             # optional JSON schemas, passed to apply_chat_template(tools=...)
-            def __init__(self, example): ...   # one episode; the whole JSONL object, every field kept
-            def reset(self) -> list[dict]: ... # the opening chat messages: [{"role": "user", "content": ...}]
-            def step(self, text): ...          # after each model turn, its decoded text -> (messages to append,
-                                               #   reward, done) or (..., info): {"tool_calls", "void", "tool_io"};
-                                               #   reward a finite number, done a bool (numpy or torch scalars: their
-                                               #   value), info a dict or None: anything else fails the trajectory
-            def close(self): ...               # optional; called for every episode, finished, cut or cancelled (one
-                                               #   that raises or hangs changes no trajectory: rollout/env_close_failures)
-            @classmethod
-            def setup(cls, **env_args): ...    # optional; once per process, before the model loads (data.env_args)
-            @classmethod
-            def teardown(cls): ...             # optional; at exit
-    The reward is the one of the step that ends the trajectory. A tool's answer enters the trajectory as the
-    ids its messages add to the conversation (rendered once, never re-tokenized; machinery/env.py): context for
-    the next turn, never scored: Sample.spans marks the model's turns, the only tokens the learner scores.
+groups them. Every trajectory is an episode of an env, single-turn math included (the env contract: after
+the staleness story below). What one RL step of the default run (single turn, no dynamic sampling) runs here:
+Generator.publish and open (the gate), _run, and _make_batch's first round (_generate_groups, _sample); the rest
+serves agents, failed trajectories and dynamic sampling's refills.
 
     prompts --> [Generator thread] --env.run_episodes (n per prompt, turn by turn)--> groups --> RolloutBatch
                        ^                                                                      |
@@ -55,6 +37,29 @@ AReaL) they land at the next decode step of the batch in flight: generation cont
 weights, keeping the KV cache computed under the old ones (or prefilling it again: rollout.update_mode),
 and each sample records the (oldest, newest) versions it spans; which token saw which version then
 depends on timing.
+
+The env contract. Every trajectory is an episode of an env, single-turn math included:
+
+    single turn (no data.env): SingleTurn, below: the prompt, one model turn, then the reward hook
+        reward = data.reward(response_text, example)       # default data.math_reward; any "module:function"
+    many turns (data.env: "module:Class", the README's Lookup is an example): one instance per trajectory,
+        class MyEnv:
+            tools: list[dict] = []             # optional JSON schemas, passed to apply_chat_template(tools=...)
+            def __init__(self, example): ...   # one episode; the whole JSONL object, every field kept
+            def reset(self) -> list[dict]: ... # the opening chat messages: [{"role": "user", "content": ...}]
+            def step(self, text): ...          # after each model turn, its decoded text -> (messages to append,
+                                               #   reward, done) or (..., info): {"tool_calls", "void", "tool_io"};
+                                               #   reward a finite number, done a bool (numpy or torch scalars: their
+                                               #   value), info a dict or None: anything else fails the trajectory
+            def close(self): ...               # optional; called for every episode, finished, cut or cancelled (one
+                                               #   that raises or hangs changes no trajectory: rollout/env_close_failures)
+            @classmethod
+            def setup(cls, **env_args): ...    # optional; once per process, before the model loads (data.env_args)
+            @classmethod
+            def teardown(cls): ...             # optional; at exit
+    The reward is the one of the step that ends the trajectory. A tool's answer enters the trajectory as the
+    ids its messages add to the conversation (rendered once, never re-tokenized; machinery/env.py): context for
+    the next turn, never scored: Sample.spans marks the model's turns, the only tokens the learner scores.
 
 A response cut by the length limit (finish_reason "length") follows rollout.truncated: `keep` its
 graded reward, score it `zero`, or `mask` it (DAPO's overlong filtering): a masked sample is dropped

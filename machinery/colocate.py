@@ -47,7 +47,7 @@ def handoff(cfg, engine, model, optimizer, device, processes):
 
 
 class Split:
-    """Each half on its own GPU: nothing to hand over."""
+    """Each half on its own GPU (or both on the CPU, as threads): nothing to hand over."""
     stats = {}
 
     def to_generator(self):
