@@ -4,8 +4,9 @@ trains, and eval on the same engine. The engine (machinery/engine.py) samples; t
 (machinery/env.py: env.run_episodes) plays each trajectory turn by turn on it, and this file grades and
 groups them. Every trajectory is an episode of an env, single-turn math included (the env contract: after
 the staleness story below). What one RL step of the default run (single turn, no dynamic sampling) runs here:
-Generator.publish and open (the gate), _run, and _make_batch's first round (_generate_groups, _sample); the rest
-serves agents, failed trajectories and dynamic sampling's refills.
+Generator.publish and open (the gate), _run, and _make_batch's first round (_generate_groups, _sample), then its
+_report (failures: none here) and _dump (a few trajectories to run_dir/rollouts/); the rest serves agents, failed
+trajectories and dynamic sampling's refills.
 
     prompts --> [Generator thread] --env.run_episodes (n per prompt, turn by turn)--> groups --> RolloutBatch
                        ^                                                                      |

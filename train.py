@@ -2,7 +2,8 @@
 GRPO for GLM models the way GLM-5 trains them. This file is the algorithm: the stages, the RL step and the
 loop. rollout.py makes the batches; machinery/ holds the plumbing, reached through a few calls: startup.start
 (config, data, weights, engine), parallel (ranks, FSDP2/DDP, micro-batches, the optimizer step, the weights a
-publish sends), checkpoint (saves, the KL reference), colocate (one GPU for both halves) and lora.
+publish sends), checkpoint (saves, the KL reference), colocate (one GPU for both halves), lora and teacher
+(on-policy distillation's frozen teacher).
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
