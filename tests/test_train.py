@@ -1116,6 +1116,14 @@ def moe_micro_batch(model, prompts, comps, apply=True):
     return mb, mb.routing(apply)
 
 
+def moe_rl_step(net, prompts, comps, replay):
+    """One RL step of net on the completions (rewards 1 for every third sample) with their routes -> its metrics."""
+    cfg, opt, guard = rl_setup(net, **{"model.routing_replay": replay})
+    batch = RolloutBatch([Sample(p, c.token_ids, c.logprobs, float(i % 3 == 0), i // 2, (0, 0), c.finish_reason, {},
+                                routes=c.routes) for i, (p, c) in enumerate(zip(prompts, comps))], 0, {}, {})
+    return train.rl_step(cfg, net, None, opt, guard, batch, 0)
+
+
 def test_the_engine_records_every_fed_tokens_routes_as_the_learners_forward_chooses_them(moe_rollouts):
     """Each completion carries the experts its context's tokens took in the generator (prefill, then one decode step
     per token): one row per position fed (the last sampled token never is), and they are the experts the learner's
@@ -1162,11 +1170,7 @@ def test_rl_step_replays_routes_and_logs_agreement_and_both_gaps(moe_rollouts):
     (test_packed_logprobs_match_a_bf16_generator_under_autocast's bound) where fresh routing can only be as close."""
     model, prompts, comps = moe_rollouts
     for replay in ("rollout", "none"):
-        net = copy.deepcopy(model)
-        cfg, opt, guard = rl_setup(net, **{"model.routing_replay": replay})
-        batch = RolloutBatch([Sample(p, c.token_ids, c.logprobs, float(i % 3 == 0), i // 2, (0, 0), c.finish_reason, {},
-                                    routes=c.routes) for i, (p, c) in enumerate(zip(prompts, comps))], 0, {}, {})
-        m = train.rl_step(cfg, net, None, opt, guard, batch, 0)
+        m = moe_rl_step(copy.deepcopy(model), prompts, comps, replay)
         assert m["routing/agree"] == 1.0 and m["routing/logp_diff_mean_replay"] < 1e-5, m
         assert m["routing/logp_diff_mean_fresh"] < 1e-5  # (fp32 generator: fresh routes are the same here)
     model = GLM(GLMConfig(**{**model.cfg.__dict__, "dsa": None, "model_type": "glm4_moe_lite"}))  # routing alone: no DSA
@@ -1230,11 +1234,7 @@ def test_the_gaps_with_and_without_replay_are_measured_on_a_probe_of_the_first_m
         want[apply] = torch.cat(gaps).mean().item()
     assert want[False] > 2 * want[True] > 0  # the nudge flips routes: without replay the gap is larger (0.70 vs 0.12)
     for replay in ("rollout", "none"):
-        learner = copy.deepcopy(net)
-        cfg, opt, guard = rl_setup(learner, **{"model.routing_replay": replay})
-        batch = RolloutBatch([Sample(p, c.token_ids, c.logprobs, float(i % 3 == 0), i // 2, (0, 0), c.finish_reason, {},
-                                    routes=c.routes) for i, (p, c) in enumerate(zip(prompts, comps))], 0, {}, {})
-        m = train.rl_step(cfg, learner, None, opt, guard, batch, 0)
+        m = moe_rl_step(copy.deepcopy(net), prompts, comps, replay)
         tol = 2e-3 if bf16 else 1e-5  # a packed row against one sequence alone: bf16 rounds them apart a little
         assert m["routing/logp_diff_mean_replay"] == pytest.approx(want[True], rel=tol, abs=1e-6), (replay, m)
         assert m["routing/logp_diff_mean_fresh"] == pytest.approx(want[False], rel=tol, abs=1e-6), (replay, m)
