@@ -32,8 +32,8 @@ loss below is a partial sum over the global batch's denominator, so the ranks' g
 one process on the whole batch.
 
 Simplified on purpose: one optimizer step per batch (no PPO epochs), constant learning rates after an
-optional linear warm-up (which the optional KL guard may scale down), and the learner keeps fp32 master weights (bf16 compute on GPU) because bf16
-weights would round an lr-1e-6 update away.
+optional linear warm-up (which the optional KL guard may scale down), and the learner keeps fp32 master
+weights (bf16 compute on GPU) because bf16 weights would round an lr-1e-6 update away.
 """
 import itertools
 import os
@@ -348,10 +348,10 @@ def train_rl(run: startup.Run, ref_model):
     gen = Generator(engine, stream, run.tokenizer, cfg.rollout, sampling, env_cls=run.env_cls, seed=cfg.seed + 7919 * rank(),
                     first_index=version, end=t.rl_steps, rank=rank(), world=world(), run_dir=cfg.run_dir, ready=ready,
                     teacher=teacher)
-    # The layout decides what happens around each publish: split (two GPUs, or one CPU's threads) moves nothing; co-located, the
-    # engine's KV pool and weights leave the GPU while the learner steps, the learner's state while the engine
-    # generates (colocate.py). Weights reach the engine one way, gen.publish, first the learner's whole model
-    # (LoRA on one device: the engine decodes on the learner's own base, so only the adapters travel).
+    # The layout decides what happens around each publish: split (two GPUs, or one CPU's threads) moves nothing;
+    # co-located, the engine's KV pool and weights leave the GPU while the learner steps, the learner's state while
+    # the engine generates (colocate.py). Weights reach the engine one way, gen.publish, first the learner's whole
+    # model (LoRA on one device: the engine decodes on the learner's own base, so only the adapters travel).
     layout = colocate.handoff(cfg, engine, learner, optimizer, model.lm_head.weight.device, world())
     gen_dtype, shared = getattr(engine, "dtype", None), lora.share_base(engine, model)
     # (this first publish returns at once: the generator thread has not started, so no batch can be waiting on it)

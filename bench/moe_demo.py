@@ -9,8 +9,8 @@ Each run is `python train.py --config configs/tiny_moe_cpu.yaml seed=S model.rou
 (94 problems x 8 samples at T = 2.0) at RL steps 0, 100 and 250, greedy accuracy; over the 250 RL steps the mean of
 routing/agree (the fraction of (token, MoE layer) pairs whose learner top-k set equals the generator's), of the
 learner-generator gap with replay and without (routing/logp_diff_mean_replay, _fresh: on routing_metrics' probe of
-up to 32 samples, one of the two from its extra forward) and of each step's worst token's gap (train/logp_diff_max). --write puts the table
-in docs/benchmarks.md; the README's is the same table.
+up to 32 samples, one of the two from its extra forward) and of each step's worst token's gap (train/logp_diff_max).
+--write puts the table in docs/benchmarks.md; the README's is the same table.
 """
 import os
 import re

@@ -128,7 +128,7 @@ class RolloutConfig:
     dump_fraction: float = 0.05  # this fraction of each batch's trajectories, as text, to run_dir/rollouts/*.jsonl
     max_prompt_tokens: int = 1024  # prompts longer than this are skipped (all of them: an error at start-up)
     chat_template: bool = True  # render prompts with the tokenizer's chat template
-    max_staleness: int = 1  # batch i is sampled by weights max(0, i - max_staleness) (one step off-policy); 0: synchronous
+    max_staleness: int = 1  # batch i is sampled by weights max(0, i - max_staleness) (1: one step off-policy; 0: sync)
     dynamic_sampling: bool = False  # replace groups whose rewards all agree (zero advantage) with fresh prompts
     # Dynamic sampling's over-sampling: each round draws this fraction more prompts than it still needs and
     # generates them all at once (rows that free up take the extra ones); it stops taking groups, in prompt

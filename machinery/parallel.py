@@ -254,8 +254,9 @@ class MicroBatch:
         pick = list(range(0, len(self.samples), -(-len(self.samples) // n)))
         j = torch.tensor(pick, device=self.mask.device)
         mine = self.pad(torch.arange(len(self.tokens), device=self.mask.device))[j][self.mask[j]]
+        routes = None if self.routes is None else [self.routes[i] for i in pick]
         return MicroBatch([self.rows[i] for i in pick], [self.samples[i] for i in pick], self.tokens[mine], self.mask[j],
-                          None if self.routes is None else [self.routes[i] for i in pick]), mine
+                          routes), mine
 
     def routing(self, apply: bool) -> Routing | None:
         """The model.Routing of this packed row (None: a dense model): the generator's experts of every token, the
