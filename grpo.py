@@ -82,7 +82,7 @@ class GRPOConfig:
     kl_guard_window: int = 10  # ... over this many steps
 
 # -----------------------------------------------------------------------------
-# Advantages, and the per-sample filters applied before the loss
+# Advantages, and the staleness guard applied before the loss (variants of the advantage: the end of the file)
 
 
 def group_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
@@ -98,14 +98,6 @@ def group_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
     return adv.view(-1)
 
 
-def informative(rewards) -> bool:
-    """A group (its samples' rewards) with at least two different rewards. The others have A = 0 for
-    every token, so they cost compute and shrink the effective batch; DAPO drops them and refills. A NaN is
-    no value (it is unequal even to itself, so a set would count each NaN apart); machinery/env.py (_reward) fails a
-    trajectory with a non-finite reward before it gets here."""
-    return len({r for r in rewards if not math.isnan(r)}) > 1
-
-
 def fresh_mask(sample_versions, current_version, max_staleness):
     """[N] bool: keep samples at most `max_staleness` weight versions behind the learner.
     A partial rollout spans several versions (generation paused, weights swapped, resumed); the caller
@@ -116,24 +108,6 @@ def fresh_mask(sample_versions, current_version, max_staleness):
         raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
     v = torch.as_tensor(sample_versions, dtype=torch.long)
     return (current_version - v) <= max_staleness
-
-
-def distill_advantages(teacher_logp, logp, coef, outcome=None):
-    """On-policy distillation (Agarwal et al.'s GKD, Thinking Machines' on-policy distillation, slime's OPD): the
-    [B, T] advantages coef * (log pi_teacher(o_t) - log pi_prox(o_t)) of the tokens the policy sampled, plus the
-    outcome advantages outcome [B] (one per sequence; None: distillation alone). Returns (advantages [B, T], the
-    per-token reverse-KL estimate log pi_prox - log pi_teacher [B, T]).
-
-    Both log-probs are at the sampling temperature, and logp is the learner's own (pi_prox, detached here): the
-    token's advantage is how much more the teacher likes it than the policy being trained does, so its mean over the
-    policy's samples is -coef * KL(pi_theta || pi_teacher), the reverse KL that the gradient lowers (mode seeking:
-    the student drops what the teacher would not say rather than spreading over everything it might). The samples
-    come from pi_gen, up to max_staleness versions older: the surrogate's importance weight and IcePop correct that.
-    The log-ratio is clamped like every other one here: a token the teacher finds impossible must give a large but
-    finite push, never inf."""
-    kl = (logp.detach() - teacher_logp.to(logp.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
-    adv = -coef * kl
-    return (adv if outcome is None else adv + outcome.to(adv.dtype).unsqueeze(-1)), kl
 
 
 # -----------------------------------------------------------------------------
@@ -341,6 +315,15 @@ class KLGuard:
         assert self.window >= 1, f"KLGuard window must be >= 1, got {self.window}"
         assert 0 < self.min_scale <= 1, f"KLGuard min_scale must be in (0, 1], got {self.min_scale}"
 
+    def state_dict(self):
+        return {"history": list(self.history), "scale": self.scale, "fired": self.fired, "num_fired": self.num_fired}
+
+    def load_state_dict(self, state):
+        self.history = [float(x) for x in state["history"]][-self.window:]
+        self.scale = float(state["scale"])
+        self.fired = bool(state["fired"])
+        self.num_fired = int(state["num_fired"])
+
     @property
     def window_mean(self):
         return sum(self.history) / len(self.history) if self.history else 0.0
@@ -355,11 +338,32 @@ class KLGuard:
             self.scale = 1.0
         return self.scale
 
-    def state_dict(self):
-        return {"history": list(self.history), "scale": self.scale, "fired": self.fired, "num_fired": self.num_fired}
 
-    def load_state_dict(self, state):
-        self.history = [float(x) for x in state["history"]][-self.window:]
-        self.scale = float(state["scale"])
-        self.fired = bool(state["fired"])
-        self.num_fired = int(state["num_fired"])
+# -----------------------------------------------------------------------------
+# Variants of the advantage: dynamic sampling's test, on-policy distillation's per-token advantages
+
+
+def informative(rewards) -> bool:
+    """A group (its samples' rewards) with at least two different rewards. The others have A = 0 for
+    every token, so they cost compute and shrink the effective batch; DAPO drops them and refills. A NaN is
+    no value (it is unequal even to itself, so a set would count each NaN apart); machinery/env.py (_reward) fails a
+    trajectory with a non-finite reward before it gets here."""
+    return len({r for r in rewards if not math.isnan(r)}) > 1
+
+
+def distill_advantages(teacher_logp, logp, coef, outcome=None):
+    """On-policy distillation (Agarwal et al.'s GKD, Thinking Machines' on-policy distillation, slime's OPD): the
+    [B, T] advantages coef * (log pi_teacher(o_t) - log pi_prox(o_t)) of the tokens the policy sampled, plus the
+    outcome advantages outcome [B] (one per sequence; None: distillation alone). Returns (advantages [B, T], the
+    per-token reverse-KL estimate log pi_prox - log pi_teacher [B, T]).
+
+    Both log-probs are at the sampling temperature, and logp is the learner's own (pi_prox, detached here): the
+    token's advantage is how much more the teacher likes it than the policy being trained does, so its mean over the
+    policy's samples is -coef * KL(pi_theta || pi_teacher), the reverse KL that the gradient lowers (mode seeking:
+    the student drops what the teacher would not say rather than spreading over everything it might). The samples
+    come from pi_gen, up to max_staleness versions older: the surrogate's importance weight and IcePop correct that.
+    The log-ratio is clamped like every other one here: a token the teacher finds impossible must give a large but
+    finite push, never inf."""
+    kl = (logp.detach() - teacher_logp.to(logp.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+    adv = -coef * kl
+    return (adv if outcome is None else adv + outcome.to(adv.dtype).unsqueeze(-1)), kl

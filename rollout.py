@@ -1,49 +1,70 @@
 """
-RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner
-trains, and eval on the same engine. The engine (machinery/engine.py) samples; the episode loop
-(machinery/env.py: env.run_episodes) plays each trajectory turn by turn on it, and this file grades and
-groups them. Every trajectory is an episode of an env, single-turn math included (the env contract: after
-the staleness story below). What one RL step of the default run (single turn, no dynamic sampling) runs here:
-Generator.publish and open (the gate), _run, and _make_batch's first round (_generate_groups, _sample), then its
-_report (failures: none here) and _dump (a few trajectories to run_dir/rollouts/); the rest serves agents, failed
-trajectories and dynamic sampling's refills.
+RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner trains,
+and eval on the same engine.
 
-    prompts --> [Generator thread] --env.run_episodes (n per prompt, turn by turn)--> groups --> RolloutBatch
-                       ^                                                                      |
-                       |  publish(weights, version)                 queue (bounded)           v
-                       +-------------------------------------------------------------- learner
+One batch, the default way (single turn: data.env unset). Draw rollout.prompts_per_step prompts; sample
+rollout.n completions of each in one engine call (machinery/engine.py); grade each as it finishes with the
+reward hook,
 
-Staleness, told once (other files say "at most max_staleness versions old" and point here). The learner's
-weight version v counts its RL steps (a skipped step too), and it trains batch i at step i. The gate lets the generator
-start batch i only once the learner has opened it at version >= i - max_staleness (Generator.open, after the
-step's publish, eval and checkpoint), and versions only grow, so every token of batch i was sampled by weights
-at most max_staleness versions older than the ones that train on it. max_staleness 0 is synchronous RL; 1 (the
-recipe) generates batch i+1 while the learner trains on batch i, one step off-policy:
+    reward = data.reward(response_text, example)       # default data.math_reward; any "module:function"
+
+on a worker thread with a deadline (rollout.env_timeout_s), so that a reward that raises, hangs or is not a
+finite number fails its trajectory, never the run; then hand the groups to the learner as a RolloutBatch.
+What one default RL step runs here: Generator.publish, open and get (the learner's side), and in the thread
+_run -> _make_batch (one round) -> _generate_groups -> play_single_turn, _sample, then _dump (a few
+trajectories to run_dir/rollouts/). The rest serves agents (data.env), failed trajectories and dynamic
+sampling's refills.
+
+    prompts --> [Generator thread] --n completions per prompt, graded--> groups --> RolloutBatch
+                       ^                                                                  |
+                       |  publish(weights, version)               queue (bounded)         v
+                       +---------------------------------------------------------- learner
+
+Staleness, told once (other files say "at most max_staleness versions old" and point here). One name per
+counter:
+    version      the learner's weight version: its RL steps done (a skipped step too); it trains batch i at
+                 step i, and publish(weights, version) gives the engine those weights (engine.version)
+    opened       Generator.opened, the gate: the version of the learner's last open(), which it calls after
+                 the step's publish, eval and checkpoint
+    next_batch   Generator.next_batch, the batch the thread makes next
+The thread starts batch next_batch only once opened >= next_batch - max_staleness, and versions only grow,
+so every token of batch i was sampled by weights at most max_staleness versions older than the ones that
+train on it. max_staleness 0 is synchronous RL; 1 (the recipe) generates batch i+1 while the learner trains
+on batch i, one step off-policy:
 
     learner    | get b0 | train b0 | publish 1, open 1 | train b1 | publish 2, open 2 | train b2 | ...
     generator  | b0 (v0)| b1 (v0)                      | b2 (v1)                      | b3 (v2)  | ...
                           (publish v waits for batch v, which the learner's next step needs anyway)
 
-Three counters meet: Generator.index (the next batch to make), Generator.version (where the gate is open) and
-the engine's own version (set by publish, so ahead of the gate between publish and open). A sample that spans
-several versions (partial_rollout) is judged on its oldest. The learner checks the same bound again per sample
-(grpo.fresh_mask in train.rl_step): a guard, which never fires while this gate holds; it is there so that a
-broken gate (an engine or generator of your own) shows up as staleness/dropped instead of as silent off-policy
-training.
+When do new weights reach the engine? By default between batches only: publish(v) waits until the thread
+has finished batch v + max_staleness - 1 (next_batch >= v + max_staleness), so batch i is sampled wholly by
+version max(0, i - max_staleness), two runs with one seed are identical and a resumed run continues exactly.
+With `partial_rollout` (as in slime and AReaL) they land at the next decode step of the batch in flight:
+generation continues under the new weights, keeping the KV cache computed under the old ones (or prefilling it
+again: rollout.update_mode), and each sample records the (oldest, newest) versions it spans, judged on its
+oldest; which token saw which version then depends on timing. The learner checks the same bound again per
+sample (grpo.fresh_mask in train.rl_step): a guard, which never fires while this gate holds; it is there so
+that a broken gate (an engine or generator of your own) shows up as staleness/dropped instead of as silent
+off-policy training.
 
-When do new weights reach the engine? By default between batches only: publish(v) waits until batch
-v + max_staleness - 1 is done, so batch i is sampled wholly by version max(0, i - max_staleness), two runs with
-one seed are identical and a resumed run continues exactly. With `partial_rollout` (as in slime and
-AReaL) they land at the next decode step of the batch in flight: generation continues under the new
-weights, keeping the KV cache computed under the old ones (or prefilling it again: rollout.update_mode),
-and each sample records the (oldest, newest) versions it spans; which token saw which version then
-depends on timing.
+A response cut by the length limit (finish_reason "length") follows rollout.truncated: `keep` its
+graded reward, score it `zero`, or `mask` it (DAPO's overlong filtering): a masked sample is dropped
+from the loss (no gradient, in no denominator), but its reward still counts in its group's mean and std,
+so its siblings' advantages are those of the group as it was sampled.
 
-The env contract. Every trajectory is an episode of an env, single-turn math included:
+Failures are data: a trajectory whose reward hook (or env) raised or timed out is dropped; its group trains at
+its reduced size while more than half of it remains, else the whole group is dropped and a fresh prompt takes
+its place in a further round, as dynamic sampling refills (GLM-5 pads a group with repeated samples instead,
+which would count their gradients twice). Each failure is one warning line naming the hook, the example and
+the exception; the first traceback of each kind is saved in run_dir/env_failures/; more than
+rollout.max_failure_fraction of a batch failing stops the run with one line (checked after each round of
+prompts: a batch over it plays no further round). rollout.dump_fraction of each batch's trajectories go to
+run_dir/rollouts/ as JSON lines.
 
-    single turn (no data.env): SingleTurn, below: the prompt, one model turn, then the reward hook
-        reward = data.reward(response_text, example)       # default data.math_reward; any "module:function"
-    many turns (data.env: "module:Class", the README's Lookup is an example): one instance per trajectory,
+Agents (data.env: "module:Class", the README's Lookup is an example): a trajectory is many turns, played by
+machinery/env.py's episode loop (env.run_episodes) instead of play_single_turn; the env's reward replaces
+data.reward. The contract, one instance per trajectory:
+
         class MyEnv:
             tools: list[dict] = []             # optional JSON schemas, passed to apply_chat_template(tools=...)
             def __init__(self, example): ...   # one episode; the whole JSONL object, every field kept
@@ -60,22 +81,8 @@ The env contract. Every trajectory is an episode of an env, single-turn math inc
             def teardown(cls): ...             # optional; at exit
     The reward is the one of the step that ends the trajectory. A tool's answer enters the trajectory as the
     ids its messages add to the conversation (rendered once, never re-tokenized; machinery/env.py): context for
-    the next turn, never scored: Sample.spans marks the model's turns, the only tokens the learner scores.
-
-A response cut by the length limit (finish_reason "length") follows rollout.truncated: `keep` its
-graded reward, score it `zero`, or `mask` it (DAPO's overlong filtering): a masked sample is dropped
-from the loss (no gradient, in no denominator), but its reward still counts in its group's mean and std,
-so its siblings' advantages are those of the group as it was sampled. A trajectory ended by a void turn
-(machinery/env.py) is masked the same way.
-
-Env failures are data: a trajectory whose env (or reward hook) raised or timed out is dropped; its group
-trains at its reduced size while more than half of it remains, else the whole group is dropped and a fresh
-prompt takes its place in a further round, as dynamic sampling refills (GLM-5 pads a group with repeated
-samples instead, which would count their gradients twice). Each failure is one
-warning line naming the env, the example and the exception; the first traceback of each kind is saved
-in run_dir/env_failures/; more than rollout.max_failure_fraction of a batch failing stops the run with
-one line (checked after each round of prompts: a batch over it plays no further round).
-rollout.dump_fraction of each batch's trajectories go to run_dir/rollouts/ as JSON lines.
+    the next turn, never scored: Sample.spans marks the model's turns, the only tokens the learner scores. A
+    trajectory ended by a void turn (machinery/env.py) is masked like a cut one under `mask`.
 """
 import contextlib
 import json
@@ -83,34 +90,31 @@ import math
 import os
 import queue
 import random
-import re
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field, replace
 
 import grpo
 from data import eval_metrics, math_reward, render_prompt
 from machinery import env
 from machinery.engine import SamplingParams
-from machinery.env import Episode, TooManyFailures, dump_record, run_episodes
+from machinery.env import Episode, TooManyFailures, dump_record
 from machinery.parallel import all_gather, rank, world
 
 # Dynamic sampling draws new prompts to replace groups whose samples all got the same reward. A run
 # whose model solves nothing (or everything) would redraw forever: after this many rounds the batch
 # is topped up with such groups (zero advantage, so they add nothing to the gradient).
 MAX_SAMPLING_ROUNDS = 4
-MAX_WARNINGS = 5  # env failures printed per batch (all are counted: rollout/env_failures)
+MAX_WARNINGS = 5  # failed trajectories printed per batch (all are counted: rollout/env_failures)
 
 
 # ----------------------------------------------------------------------------- single turn: the reward call
 
 
 class SingleTurn:
-    """The reward hook as an env: the prompt as the user's message, one model turn, graded, done. What runs
-    when data.env is not set (single_turn binds data.reward); its prompt is the example's, rendered by
-    data.render_prompt. The episode loop calls step() on a worker thread with a deadline (rollout.env_timeout_s),
-    so a reward that raises or hangs fails its trajectory instead of the run."""
+    """The reward hook as an env class: what stands for data.env when it is not set (single_turn binds
+    data.reward). play_single_turn calls its reward_fn; machinery/env.py's episode loop can play it too (one
+    turn, graded, done), which tests use to compare the two paths."""
     tools: list = []
     trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
     one_turn = True  # nothing follows the first turn: its KV is never parked
@@ -123,13 +127,57 @@ class SingleTurn:
         return self.example["prompt"]  # a string or messages
 
     def step(self, text):
-        return [], self.reward_fn(text, self.example), True  # the reward call: (text, the JSONL object); the episode
-        # loop checks the reward as it checks an env's: a non-finite or non-numeric one fails its trajectory
+        return [], self.reward_fn(text, self.example), True
 
 
 def single_turn(reward_fn):
     """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
     return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
+
+
+def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, limits: env.Limits, seed, *,
+                     chat_template=True, stopping=lambda: False):
+    """The default path: every trajectory is its prompt and one sampled response. eps: Episodes (the trajectory
+    record, machinery/env.py) of the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
+    One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]), and each response is
+    graded as it finishes: hook.reward_fn(its text, the example) runs on a worker thread with a deadline
+    (limits.timeout_s, rollout.env_timeout_s), and a reward that raises, misses it or is not a finite number
+    fails the trajectory (Episode.failure) instead of the run (env.guarded). Yields (i, episode) as each ends."""
+    what = f"{hook.__name__}.step"
+    for ep in eps:
+        ep.prompt = render_prompt(tokenizer, ep.example["prompt"], chat_template)
+    budget = replace(sampling, max_new_tokens=min(limits.max_new_tokens, limits.max_total_tokens))
+    completions = env.generate(engine, [ep.prompt for ep in eps], [budget] * len(eps), seed, stopping)
+    try:
+        with contextlib.closing(completions):  # closed early (dynamic sampling has enough, a stop): the rest cancelled
+            for i, c in completions:  # c: an engine Completion, its token_ids and their logprobs as sampled
+                ep = eps[i]
+                ep.response, ep.logprobs, ep.routes = list(c.token_ids), list(c.logprobs), c.routes
+                ep.spans, ep.versions, ep.turns = [(0, len(c.token_ids))], list(c.versions), 1
+                text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                graded, reward = env.guarded([(ep, what, _reward, (hook.reward_fn, text, ep.example))], limits.timeout_s)[0]
+                if graded:
+                    ep.reward, ep.finish = reward, "length" if c.finish_reason == "length" else "stop"
+                yield i, ep
+    finally:
+        for ep in eps:
+            ep.finish = ep.finish or "cancelled"
+
+
+def _reward(fn, text, example):
+    return env.reward_value(fn(text, example))  # a float, or ValueError: not a finite number
+
+
+def play(engine, eps, env_cls, tokenizer, sampling, limits, seed, *, chat_template=True, stopping=lambda: False,
+         each=False):
+    """Play the episodes to their end, yielding (i, episode) as each one ends: one graded turn each without
+    data.env (play_single_turn), else the env's turns through machinery/env.py's episode loop (env.run_episodes;
+    each: the env answers each turn as it arrives on an engine without sessions)."""
+    if issubclass(env_cls, SingleTurn):
+        return play_single_turn(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
+                                stopping=stopping)
+    return env.run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
+                            stopping=stopping, each=each)
 
 
 # ----------------------------------------------------------------------------- the generator thread
@@ -173,13 +221,13 @@ class RolloutBatch:
 
 
 class Generator:
-    """Runs the generation loop in a background thread and hands RolloutBatches to the learner.
-    The staleness gate compares batch numbers with the published version, so before start() the engine must
-    hold the learner's weights and version (engine.update_weights(weights, version)); first_index is
-    that version on resume, and `ready` the batches a checkpoint kept (sampled before it was taken).
-    Do not evaluate on the engine while stop() runs: it aborts in-flight work. The gate and when weights
-    land are this file's docstring; with max_staleness 1 the learner loses nothing by publish() waiting
-    for batch v: its next step needs exactly that batch."""
+    """Runs the generation loop in a background thread and hands RolloutBatches to the learner. The staleness
+    gate compares the batch it makes next (next_batch) with the version of the learner's last open() (opened):
+    this file's docstring. Before start() the engine must hold the learner's weights (the first publish) and the
+    gate be open at that version; first_index is that version on resume, and `ready` the batches a checkpoint
+    kept (sampled before it was taken). Do not evaluate on the engine while stop() runs: it aborts in-flight
+    work. With max_staleness 1 the learner loses nothing by publish() waiting for batch v: its next step needs
+    exactly that batch."""
 
     def __init__(self, engine, stream, tokenizer, r, sampling: SamplingParams, *, env_cls, seed: int = 0,
                  first_index: int = 0, end: int | None = None, rank: int = 0, world: int = 1, run_dir: str | None = None,
@@ -205,8 +253,8 @@ class Generator:
         self.queue = queue.Queue(maxsize=self.max_staleness + 1)
         for batch in ready:
             self.queue.put(batch)
-        self.index, self.end = first_index + len(ready), end  # the next batch to produce; the one to stop at
-        self.version = first_index  # the gate's version: the last open()'s (the engine's own runs ahead of it)
+        self.next_batch, self.end = first_index + len(ready), end  # the batch the thread makes next; the one to stop at
+        self.opened = first_index  # the gate: the version of the learner's last open() (the engine's runs ahead of it)
         self.gate = threading.Condition()
         self.stopping = threading.Event()
         self.error = None
@@ -229,11 +277,11 @@ class Generator:
 
     def publish(self, named_tensors, version: int):
         """Called by the learner after each optimizer step: the new weights reach the engine. By default they land
-        between batches: first wait until the batches that older weights must sample are done (batch
-        version + max_staleness - 1; this file's docstring). With partial_rollout, at once."""
+        between batches: first wait until the batches that older weights must sample are done (next_batch reaches
+        version + max_staleness; this file's docstring). With partial_rollout, at once."""
         with self.gate:
             until = version + self.max_staleness if self.end is None else min(version + self.max_staleness, self.end)
-            while not (self.partial_rollout or self.index >= until or self.stopping.is_set()
+            while not (self.partial_rollout or self.next_batch >= until or self.stopping.is_set()
                        or self.error is not None or not self.thread.is_alive()):
                 self.gate.wait(0.1)
         self.engine.update_weights(named_tensors, version)
@@ -243,7 +291,7 @@ class Generator:
         step's eval and checkpoint, so those never share the engine (co-located: the GPU) with a batch that has not
         started yet (with rollout.partial_rollout a batch in flight goes on decoding beside them)."""
         with self.gate:
-            self.version = version
+            self.opened = version
             self.gate.notify_all()
 
     def get(self, timeout: float | None = None) -> RolloutBatch:
@@ -274,10 +322,10 @@ class Generator:
 
     def _run(self):
         try:
-            while not self.stopping.is_set() and (self.end is None or self.index < self.end):
+            while not self.stopping.is_set() and (self.end is None or self.next_batch < self.end):
                 t0 = time.perf_counter()
-                with self.gate:  # bounded staleness: wait for version >= index - max_staleness
-                    while self.version < self.index - self.max_staleness and not self.stopping.is_set():
+                with self.gate:  # bounded staleness: wait for opened >= next_batch - max_staleness
+                    while self.opened < self.next_batch - self.max_staleness and not self.stopping.is_set():
                         self.gate.wait(0.1)
                 self.waited += time.perf_counter() - t0
                 if self.stopping.is_set():
@@ -294,7 +342,7 @@ class Generator:
                         pass
                 self.waited += time.perf_counter() - t0
                 with self.gate:  # a publish may be waiting for this batch
-                    self.index += 1
+                    self.next_batch += 1
                     self.gate.notify_all()
         except BaseException as e:  # surfaced in the learner by get()
             self.error = e
@@ -308,7 +356,7 @@ class Generator:
             draw = math.ceil(need * (1 + self.oversample)) if self.dynamic_sampling else need
             examples = self.stream.next(draw)
             rounds += 1
-            groups = self._generate_groups(examples, episodes, seed=self.seed * 1_000_003 + self.index * 101 + rounds,
+            groups = self._generate_groups(examples, episodes, seed=self.seed * 1_000_003 + self.next_batch * 101 + rounds,
                                            need=need if self.dynamic_sampling else None)
             if groups is None:
                 return None
@@ -321,8 +369,9 @@ class Generator:
             cancelled += len(examples) - len(groups)
             if sum(ep.failure is not None for ep in episodes) > self.max_failures * len(episodes):
                 break  # too many failed already (an env that is down): stop now (_report), not after more rounds
-        failures = [ep for ep in episodes if ep.failure is not None]
-        self._report(failures, len(episodes))
+        failures = [ep for ep in episodes if ep.failure is not None]  # data: warnings, tracebacks, a stop if too many
+        env.report_failures(failures, len(episodes), self.next_batch, self.max_failures, self.run_dir, self.rank,
+                            self.seen_failures, MAX_WARNINGS)
         surplus = kept[self.prompts_per_step:]  # an engine that cannot stream finishes every over-sampled prompt
         kept = kept[:self.prompts_per_step]
         top_up = spare[:self.prompts_per_step - len(kept)]  # too few informative groups: uniform ones fill in
@@ -360,11 +409,11 @@ class Generator:
             metrics["perf/teacher_s"] = self.teacher.score(samples)
         if self.dump_fraction > 0 and self.run_dir is not None:
             self._dump(episodes)
-        return RolloutBatch(samples, self.index, self.stream.state_dict(), metrics)
+        return RolloutBatch(samples, self.next_batch, self.stream.state_dict(), metrics)
 
     def _generate_groups(self, examples, episodes, seed, need=None):
-        """n trajectories per prompt, played to their end (env.run_episodes): a list of groups (lists of
-        Samples) in prompt order, None for a group that lost half of its trajectories or more to env
+        """n trajectories per prompt, played to their end (play: one graded turn each by default): a list of
+        groups (lists of Samples) in prompt order, None for a group that lost half of its trajectories or more to
         failures (a failed trajectory is dropped; its group trains at its reduced size while more than half
         remains). Its finished episodes are added to `episodes`. need (dynamic sampling with an engine that
         streams): stop once the groups done so far, taken in prompt order, hold `need` informative ones, and
@@ -380,9 +429,8 @@ class Generator:
                 ok = [ep for ep in eps[p * n:(p + 1) * n] if ep.failure is None]
                 done.append([self._sample(ep, p) for ep in ok] if 2 * len(ok) > n else None)
 
-        runs = run_episodes(self.engine, eps, self.env_cls, self.tokenizer, self.sampling, self.limits, seed,
-                            chat_template=self.chat_template, stopping=self.stopping.is_set,
-                            each=need is not None and self.streams)
+        runs = play(self.engine, eps, self.env_cls, self.tokenizer, self.sampling, self.limits, seed,
+                    chat_template=self.chat_template, stopping=self.stopping.is_set, each=need is not None and self.streams)
         try:
             with contextlib.closing(runs):
                 for _, ep in runs:
@@ -391,7 +439,7 @@ class Generator:
                     if need is not None and self.streams and sum(g is not None and grpo.informative([s.reward for s in g])
                                                                  for g in done) >= need:
                         return done
-        finally:  # (closing the loop closed every env, cancelled ones too)
+        finally:  # (closing an env's episode loop closed every env, cancelled ones too)
             self.close_failures += sum(ep.close_failure is not None for ep in eps)
         if self.stopping.is_set():
             return None
@@ -407,34 +455,14 @@ class Generator:
                       masked=(cut and self.truncated == "mask") or ep.finish == "void", spans=spans, turns=ep.turns,
                       routes=ep.routes)
 
-    def _report(self, failures, total):
-        """Env failures are data: a warning line each (at most a few per batch), the first traceback of each
-        kind saved in run_dir/env_failures/, and the run stops with one line if too many failed at once."""
-        for ep in failures[:MAX_WARNINGS]:
-            print(f"[rollout] env failure on example {ep.index} (batch {self.index}): {ep.failure}", flush=True)
-        if len(failures) > MAX_WARNINGS:
-            print(f"[rollout] ... and {len(failures) - MAX_WARNINGS} more env failures in batch {self.index}", flush=True)
-        for ep in failures:
-            kind = re.sub(r"\W+", "_", ep.failure.split(":")[0])
-            if self.run_dir is not None and kind not in self.seen_failures:
-                self.seen_failures.add(kind)
-                folder = os.path.join(self.run_dir, "env_failures")
-                os.makedirs(folder, exist_ok=True)
-                with open(os.path.join(folder, f"{kind}" + (f"_rank{self.rank}" if self.rank else "") + ".txt"), "w") as f:
-                    f.write(f"example {ep.index}, batch {self.index}: {ep.failure}\n\n")
-                    f.write("".join(traceback.format_exception(ep.error)))
-        if total and len(failures) / total > self.max_failures:
-            raise TooManyFailures(f"{len(failures)} of {total} trajectories of rollout batch {self.index} failed in the env "
-                                  f"(over rollout.max_failure_fraction={self.max_failures}); the first: {failures[0].failure}")
-
     def _dump(self, episodes):
         """A sampled fraction of the batch's trajectories (the same ones on a rerun: the draws are seeded by the
         batch) as JSON lines in run_dir/rollouts/, for debugging an env."""
-        draw = random.Random(self.seed * 1_000_003 + self.index)
+        draw = random.Random(self.seed * 1_000_003 + self.next_batch)
         picked = [ep for ep in episodes if draw.random() < self.dump_fraction]
         folder = os.path.join(self.run_dir, "rollouts")
         os.makedirs(folder, exist_ok=True)
-        path = os.path.join(folder, f"batch_{self.index:06d}" + (f"_rank{self.rank}" if self.rank else "") + ".jsonl")
+        path = os.path.join(folder, f"batch_{self.next_batch:06d}" + (f"_rank{self.rank}" if self.rank else "") + ".jsonl")
         with open(path + ".tmp", "w") as f:
             for ep in picked:
                 f.write(json.dumps(dump_record(ep, self.tokenizer)) + "\n")
@@ -447,7 +475,7 @@ def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, l
     with the env as in RL (a failed one scores 0). With an env also its turns per trajectory, the share of
     trajectories that called a tool and the env failure rate."""
     eps = [Episode(ex, i) for i, ex in enumerate(examples) for _ in range(n)]
-    for _ in run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template):
+    for _ in play(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template):
         pass
     rewards = [[ep.reward if ep.failure is None else 0.0 for ep in eps[i * n:(i + 1) * n]] for i in range(len(examples))]
     out = eval_metrics(rewards, ks=tuple(k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n))

@@ -2,8 +2,9 @@
 GRPO for GLM models the way GLM-5 trains them. This file is the algorithm: the stages, the RL step and the
 loop. rollout.py makes the batches; machinery/ holds the plumbing, reached through a few calls: startup.start
 (config, data, weights, engine), parallel (ranks, FSDP2/DDP, micro-batches, the optimizer step, the weights a
-publish sends), checkpoint (saves, the KL reference), colocate (one GPU for both halves), lora and teacher
-(on-policy distillation's frozen teacher).
+publish sends), checkpoint (saves, resume, the KL reference), variants (what rl_step adds when a variant is on:
+the KL reference's log-probs, distillation's advantages, routing replay's diagnostics, a dummy micro-batch),
+colocate (one GPU for both halves), lora and teacher (on-policy distillation's frozen teacher).
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
@@ -35,20 +36,21 @@ Simplified on purpose: one optimizer step per batch (no PPO epochs), constant le
 optional linear warm-up (which the optional KL guard may scale down), and the learner keeps fp32 master
 weights (bf16 compute on GPU) because bf16 weights would round an lr-1e-6 update away.
 """
+import functools
 import itertools
 import os
 import sys
 import time
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import data
 import grpo
-from machinery import colocate, lora, startup
+from machinery import colocate, lora, startup, variants
 from machinery.teacher import load_teacher
-from machinery.checkpoint import Preempted, reference_model, run_main, save_checkpoint
+from machinery.checkpoint import Preempted, reference_model, restore, resumed, run_main, save_checkpoint
 from machinery.config import LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config
 from machinery.parallel import (Skips, all_gather, autocast, combine_ranks, dummy_rows, full_weights, global_sum, learner_backward,
                                 micro_batches, optimizer_step, packed_micro_batches, parallel_learner, rank, set_threads,
@@ -95,37 +97,13 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
         return None, None, kl
     h, targets = hidden[0], ids[0, where + 1]  # [N, hidden], [N]: the token each kept position predicts
     logp, ent = [], []
-    recompute = len(where) * net.cfg.vocab_size * 4 > LOGIT_KEEP_BYTES  # large logits: recompute, do not keep
-    for c in range(0, len(where), LOGIT_CHUNK):
-        args = (net.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature, entropy)
-        if torch.is_grad_enabled() and recompute:  # the chunk's logits are made again in backward
-            lp, en = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, en = _chunk_logprobs(*args)
+    recompute = torch.is_grad_enabled() and len(where) * net.cfg.vocab_size * 4 > LOGIT_KEEP_BYTES  # large logits:
+    chunk = functools.partial(checkpoint, _chunk_logprobs, use_reentrant=False) if recompute else _chunk_logprobs  # made
+    for c in range(0, len(where), LOGIT_CHUNK):  # again in backward (checkpoint), not kept
+        lp, en = chunk(net.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature, entropy)
         logp.append(lp)
         ent.append(en)
     return torch.cat(logp), torch.cat(ent) if entropy else None, kl
-
-
-ROUTING_PROBE_SAMPLES = 32  # routing_metrics' extra forward: this many samples of each rank's first micro-batch at most
-
-
-def routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, first):
-    """MoE diagnostics, summed like the step's other metrics: routing/agree (tokens x MoE layers whose learner
-    top-k set equals the generator's, from the training forward itself) and, on a probe of each rank's first
-    micro-batch (at most ROUTING_PROBE_SAMPLES samples spread over it), the learner-generator gap
-    |log pi_learner - log pi_gen| with replay and without, the second from one more forward (no grad) that routes
-    the other way: the price of the computation routing replay avoids, measured on a sample to keep it cheap."""
-    agree, seen = (torch.stack(t).sum(0) for t in zip(*routing.agree))
-    out = {"routing_agree": sums.get("routing_agree", 0.0) + agree, "routing_seen": sums.get("routing_seen", 0.0) + seen}
-    if first:
-        probe, mine = mb.probe(ROUTING_PROBE_SAMPLES)  # mine [N_probe]: its tokens among mb's
-        with torch.no_grad(), autocast(gap.device):  # in the training forward's precision (bf16 autocast on GPU)
-            other = packed_forward(model, probe.rows, temperature, routing=probe.routing(not routing.apply))[0]
-        gaps = {routing.apply: gap[mine], not routing.apply: (other - gen_logp[probe.tokens]).abs()}
-        out |= {"routing_gap_replay": gaps[True].sum(), "routing_gap_fresh": gaps[False].sum(),
-                "routing_gap_tokens": torch.tensor(float(len(mine)), device=gap.device)}
-    return out
 
 
 def lr_at(cfg: Config, base_lr, step):
@@ -140,11 +118,6 @@ def adamw(cfg: Config, model, lr, weight_decay):
     pass (CPU and CUDA, FSDP's sharded DTensors too) instead of a dozen small ops per tensor."""
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=tuple(cfg.optim.betas),
                              weight_decay=weight_decay, fused=True)
-
-
-def resumed(resume, stage, key, default):
-    """A value of the checkpoint we resume from, if it was taken in this stage."""
-    return resume[key] if resume is not None and resume["stage"] == stage else default
 
 
 # ----------------------------------------------------------------------------- stages 1 and 2: warm-ups
@@ -165,9 +138,7 @@ def train_warmup(stage, run: startup.Run):
     optimizer = adamw(cfg, model, lr, wd)
     stream, tokens = data.PromptStream(run.train_examples, seed=cfg.seed), {}
     step, skips = resumed(resume, stage, "step", 0), Skips(cfg.optim.max_skipped_steps, *resumed(resume, stage, "skipped", (0, 0)))
-    if step:
-        set_optimizer_state_dict(learner, optimizer, resume["optimizer"], options=StateDictOptions(full_state_dict=True))
-        stream.load_state_dict(resume["ranks"][rank()]["stream"])
+    restore(resume, stage, learner, optimizer, stream)  # a stage resumed mid-way: optimizer state, prompt stream
     indexer_loss = "dense" if indexer_only else ("sparse" if model.cfg.dsa else None)
     bar = tqdm(total=steps, initial=step, desc=stage, dynamic_ncols=True, disable=rank() != 0)
     while step < steps:
@@ -227,40 +198,35 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     # so this drops nothing unless that gate is broken, and staleness/dropped then says so.
     fresh = grpo.fresh_mask([s.versions[0] for s in batch.samples], version, cfg.rollout.max_staleness)
     samples = [s for s, keep in zip(batch.samples, fresh.tolist()) if keep]
-    stale = [version - s.versions[0] for s in samples]
+    ages = [version - s.versions[0] for s in samples]  # each fresh sample's staleness, in versions
 
     # Advantages within each group. Groups are contiguous; a group may have lost stale or failed members and
     # then uses its remaining size. Masked samples (rollout.truncated: mask, void turns) count in their group's
     # baseline, then leave: no loss, no forward.
-    adv = torch.zeros(len(samples))
+    adv = torch.zeros(len(samples))  # [S]: one per sample
     for _, idx in itertools.groupby(range(len(samples)), key=lambda i: samples[i].group):
         idx = list(idx)
         adv[idx] = grpo.group_advantages([samples[i].reward for i in idx], len(idx), g.std_normalize)
     kept = [i for i, s in enumerate(samples) if not s.masked]
     samples, adv = [samples[i] for i in kept], adv[kept]
-    metrics = {"staleness/max": max(stale, default=0), "staleness/mean": sum(stale) / max(1, len(stale)),
-               "staleness/dropped": len(batch.samples) - len(stale), "train/masked": len(stale) - len(samples),
+    metrics = {"staleness/max": max(ages, default=0), "staleness/mean": sum(ages) / max(1, len(ages)),
+               "staleness/dropped": len(batch.samples) - len(ages), "train/masked": len(ages) - len(samples),
                "train/samples": len(samples)}
     if global_sum(len(samples))[0] == 0:
         return metrics  # nothing to train on anywhere: no step
 
-    # The batch's model tokens, sample after sample, as flat [N] tensors. A micro-batch (mb) is one packed
-    # row of whole samples: mb.tokens [N_mb] picks its tokens out of the flat tensors, mb.pad lays them out
-    # [B, T] for the loss (B samples, mb.mask [B, T] True at real tokens). None: a dummy micro-batch that keeps
-    # this rank in step with a busier one (the same collectives on every rank), contributing nothing.
-    gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N] log pi_gen
-    d = cfg.distill  # on-policy distillation: the teacher's logprobs of the same tokens, [N] (machinery/teacher.py)
-    teacher_logp = torch.tensor([x for s in samples for x in s.teacher_logprobs], device=device) if d.teacher else None
+    # Token bookkeeping. The N scored tokens of the batch (each sample's model tokens, sample after sample, in
+    # samples' order) are flat [N] tensors: gen_logp [N] = log pi_gen, the generator's. A micro-batch mb packs
+    # whole samples into one row (parallel.MicroBatch): mb.samples [B] indexes samples (and adv), mb.tokens [N_mb]
+    # picks its scored tokens out of the flat [N] (packed_forward returns them in that same order), mb.pad lays
+    # [N_mb] out as [B, T] for the loss and mb.mask [B, T] is True at real tokens. mb None: a dummy micro-batch
+    # that keeps this rank in step with a busier one (the same collectives on every rank), contributing nothing.
+    gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N]
     parts = packed_micro_batches(model, [s.row() for s in samples], cfg.optim.max_tokens_per_micro_batch, device,
                                  [s.routes for s in samples])
-    ref_logp = None
-    if ref_model is not None:  # [N] log pi_ref, no grad, before the update
-        ref_logp = torch.zeros_like(gen_logp)
-        with torch.no_grad(), autocast(device):
-            for _, mb in parts:
-                lp = packed_forward(ref_model, mb.rows if mb else dummy_rows(ref_model), cfg.rollout.temperature)[0]
-                if mb:
-                    ref_logp[mb.tokens] = lp
+    ref_logp = variants.reference_logprobs(ref_model, parts, packed_forward, cfg.rollout.temperature, gen_logp)  # [N]
+    teacher_logp = (torch.tensor([x for s in samples for x in s.teacher_logprobs], device=device)  # [N]: distillation
+                    if cfg.distill.teacher else None)
 
     # Micro-batch losses are partial sums over one global denominator (all ranks' micro-batches), so
     # gradients add up to the gradient of the whole batch's loss. pi_prox, the policy at the step's start,
@@ -271,30 +237,22 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     entropy = "grad" if g.entropy_coef else "metric"
     replay = cfg.model.routing_replay == "rollout"  # MoE: the learner takes the experts the generator took
     for k, mb in parts:
-        last = k == len(parts) - 1
+        last, T = k == len(parts) - 1, cfg.rollout.temperature
         routing = mb.routing(replay) if mb else None  # None for a dense model
         with autocast(device):
-            logp, ent, _ = packed_forward(model, mb.rows if mb else dummy_rows(model), cfg.rollout.temperature,
-                                          entropy=entropy, routing=routing)  # [N_mb] log pi_theta (= pi_prox in value)
+            logp, ent, _ = packed_forward(model, mb.rows if mb else dummy_rows(model), T, entropy=entropy,
+                                          routing=routing)  # [N_mb] log pi_theta (= pi_prox in value)
             if mb is None:
-                learner_backward(model, logp.sum() * 0.0, last)
-                if k == 0 and unwrap(model).cfg.moe is not None:  # routing_metrics' extra forward, as the other ranks
-                    with torch.no_grad():  # run it (FSDP's gathers are collectives)
-                        packed_forward(model, dummy_rows(model), cfg.rollout.temperature)
+                variants.dummy_micro_batch(model, logp, last, k == 0, packed_forward, T)
                 continue
-            a = adv[mb.samples].to(device)  # [B] the outcome advantages, or with a teacher [B, T] per token:
-            if teacher_logp is not None:  # coef * (log pi_teacher - log pi_prox) (+ the outcome's with distill.outcome)
-                a, kl = grpo.distill_advantages(mb.pad(teacher_logp[mb.tokens]), mb.pad(logp), d.coef,
-                                                a if d.outcome else None)
-                sums["distill_kl"] = sums.get("distill_kl", 0.0) + kl[mb.mask].sum()  # the reverse KL to the teacher
+            a = variants.distill(adv[mb.samples].to(device), mb, logp, teacher_logp, cfg.distill, sums)  # [B] or [B, T]
             loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), a, mb.mask, g,
-                                       ref_logp=None if ref_model is None else mb.pad(ref_logp[mb.tokens]),
+                                       ref_logp=None if ref_logp is None else mb.pad(ref_logp[mb.tokens]),
                                        entropy=mb.pad(ent), loss_scale=loss_scale)
         learner_backward(model, loss, last)
         gap = (logp.detach() - gen_logp[mb.tokens]).abs()  # learner vs generator, per token
         gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
-        if routing is not None:  # how often the learner's own top-k matches the generator's, and the gap both ways
-            sums |= routing_metrics(model, mb, routing, gap, gen_logp, cfg.rollout.temperature, sums, first=k == 0)
+        sums |= variants.routing_metrics(model, mb, routing, gap, gen_logp, T, sums, k == 0, packed_forward)  # MoE
         n = len(mb.tokens)  # pg_loss adds up over micro-batches; the other metrics are token means
         for name, v in m.items():
             sums[name] = sums.get(name, 0.0) + (v if name == "pg_loss" else v * n)
@@ -309,18 +267,12 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     for name, v in total.items():
         if not name.startswith("routing_"):
             metrics[f"train/{name}"] = v if name in ("pg_loss", "loss") else v / max(1, n_tokens)
-    if "routing_seen" in total:  # MoE (routing_metrics): ratios of their own sums
-        metrics |= {"routing/agree": total["routing_agree"] / max(1, total["routing_seen"]),
-                    **{f"routing/logp_diff_mean_{w}": total[f"routing_gap_{w}"] / max(1, total["routing_gap_tokens"])
-                       for w in ("replay", "fresh")}}
+    metrics |= variants.routing_ratios(total)
     metrics["train/logp_diff_max"] = max(d for _, _, d in ranks)
     metrics["train/tokens"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
     def lr():  # the KL guard brakes the lr while the policy drifts too fast from the reference
-        scale = guard.update(metrics["train/kl"]) if ref_model is not None else 1.0
-        if ref_model is not None:
-            metrics.update({"kl_guard/scale": scale, "kl_guard/fired": float(guard.fired), "kl_guard/kl_mean": guard.window_mean})
-        return lr_at(cfg, lora.rl_lr(cfg), version) * scale
+        return lr_at(cfg, lora.rl_lr(cfg), version) * variants.kl_guard_scale(guard, metrics, ref_model is not None)
     return metrics | optimizer_step(optimizer, model, metrics["train/loss"], cfg.optim.grad_clip, lr)
 
 
@@ -339,10 +291,7 @@ def train_rl(run: startup.Run, ref_model):
     skips = Skips(cfg.optim.max_skipped_steps, *resumed(resume, "rl", "skipped", (0, 0)))
     version = resumed(resume, "rl", "step", 0)  # RL steps done = the weight version the learner holds
     ready = resumed(resume, "rl", "ranks", [{}] * world())[rank()].get("pending", [])  # batches sampled before the checkpoint
-    if version:
-        set_optimizer_state_dict(learner, optimizer, resume["optimizer"], options=StateDictOptions(full_state_dict=True))
-        stream.load_state_dict(resume["ranks"][rank()]["stream"])
-        guard.load_state_dict(resume["kl_guard"])
+    restore(resume, "rl", learner, optimizer, stream, guard)  # ... and the KL guard
     sampling = sampling_params(cfg, model, run.tokenizer, cfg.rollout.max_new_tokens)
     teacher = load_teacher(cfg, run.devices[0], packed_forward)  # distill.teacher, beside the engine (None: off)
     gen = Generator(engine, stream, run.tokenizer, cfg.rollout, sampling, env_cls=run.env_cls, seed=cfg.seed + 7919 * rank(),

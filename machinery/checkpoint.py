@@ -26,7 +26,8 @@ from dataclasses import asdict
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 from transformers import AutoTokenizer
 
 import data
@@ -157,6 +158,22 @@ class _Adapters:
     def save_pretrained(self, folder):
         os.makedirs(folder, exist_ok=True)
         lora.write_adapters(self.net, folder, base_model=os.path.abspath(self.base))
+
+
+def resumed(resume, stage, key, default):
+    """A value of the checkpoint we resume from, if it was taken in this stage."""
+    return resume[key] if resume is not None and resume["stage"] == stage else default
+
+
+def restore(resume, stage, learner, optimizer, stream, guard=None):
+    """A stage resumed mid-way (its checkpoint's step > 0): the optimizer's state (FSDP: each rank its shards), this
+    rank's prompt stream and the KL guard come back; otherwise nothing."""
+    if not resumed(resume, stage, "step", 0):
+        return
+    set_optimizer_state_dict(learner, optimizer, resume["optimizer"], options=StateDictOptions(full_state_dict=True))
+    stream.load_state_dict(resume["ranks"][rank()]["stream"])
+    if guard is not None:
+        guard.load_state_dict(resume["kl_guard"])
 
 
 def reference_model(cfg, model, tokenizer, resume):

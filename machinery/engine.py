@@ -1,12 +1,11 @@
 """
-The generation engine: token ids in, sampled completions with their logprobs out. Its callers: rollout.py
-(rollouts and eval) plays episodes through machinery/env.py's episode loop, run_episodes, which drives a
-session (session, then submit / step / end: an agent's next turn joins the running call) or, on an engine
-without sessions, generate / stream; the Generator publishes with update_weights(named_tensors, version)
-and cancels with abort / resume; release hands the memory to the learner between calls (co-located:
-machinery/colocate.py), and share makes LoRA's frozen base the learner's own tensors (lora.share_base).
-Here: the sampler, TorchEngine and make_engine; the SGLang adapter is machinery/sglang.py, and the calls'
-types (SamplingParams, Completion) are machinery/scheduler.py's, importable from here.
+The generation engine: token ids in, sampled completions with their logprobs out. Its callers: rollout.py's
+single turn streams one call (stream, through env.generate), agents' episodes (machinery/env.py) drive a session
+(submit / step / end: a trajectory's next turn joins the running call); the Generator publishes with
+update_weights(named_tensors, version) and cancels with abort / resume; release hands the memory to the learner
+between calls (colocate.py), and share makes LoRA's frozen base the learner's own tensors (lora.share_base).
+Here: the sampler, TorchEngine and make_engine; SGLang's is sglang.py; SamplingParams and Completion are
+scheduler.py's, importable from here.
 
 A request's life in TorchEngine, in order. machinery/scheduler.py keeps the books on the host (rows, KV
 blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the rows' state on the device:
@@ -94,12 +93,10 @@ def sample_tokens(logits, sampling: SamplingParams, keys):
     the learner recomputes. A row whose logits are not finite (weights blown up) gets logprob NaN, for the
     engine to report at its next host sync, instead of a crash in the middle of the batch.
 
-    This is the specification and the place to change how tokens are drawn, with one catch: the code below
-    does not run where the fused kernel kernels.dsa_triton.sample does (the same result from two reads of the
-    logits; here, ~20 passes over [B, V]): temperature > 0 and top_p >= 1 (RL's case), dsa.USE_TRITON on
-    (config model.dsa_kernels, default true, dense models included) and dsa_triton.available(logits), i.e.
-    logits on CUDA (or a CPU under TRITON_INTERPRET=1) with triton importable. So a sampler hack edits both,
-    or runs with model.dsa_kernels: false (which also sends DSA's scoring and sparse attention to PyTorch)."""
+    The place to change how tokens are drawn, with one catch: where temperature > 0, top_p >= 1 (RL's case),
+    dsa.USE_TRITON is on (model.dsa_kernels, default true, dense models too) and the logits are on CUDA (or a CPU
+    under TRITON_INTERPRET=1), the fused kernels.dsa_triton.sample runs instead (the same draws from two reads of
+    the logits; here ~20 passes over [B, V]): a sampler hack edits both, or sets model.dsa_kernels: false."""
     if sampling.temperature > 0 and sampling.top_p >= 1.0 and dsa._triton(logits):
         return dsa_triton.sample(logits, sampling.temperature, keys)
     logits = logits.float()
@@ -152,12 +149,11 @@ class _Rows:
 
 
 class TorchEngine:
-    """Generation on our own model with continuous batching over a paged KV pool (a request's life: this
-    file's header; the rules: machinery/scheduler.py). Each iteration admits waiting requests while rows
-    (at most max_batch) and KV blocks allow, prefills them together, then decodes one token for every
-    running row; a finished row leaves at once and waiting ones take the free rows as soon as
-    ADMIT_FRACTION of them are free, so no row waits for the longest. A row's KV never moves: it takes
-    blocks as it grows.
+    """Generation on our own model with continuous batching over a paged KV pool (a request's life: this file's
+    header; the rules: machinery/scheduler.py). Each iteration admits waiting requests while rows (at most
+    max_batch) and KV blocks allow, prefills them together, then decodes one token for every running row; a
+    finished row leaves at once and waiting ones take the free rows as soon as ADMIT_FRACTION of them are free,
+    so no row waits for the longest. A row's KV never moves: it takes blocks as it grows.
 
     Host work: the rows' state stays on the device (_Rows), an iteration reads back only their status and
     counts, once, and a finished row's tokens travel in bulk, landing by the next iteration's read.
@@ -266,11 +262,6 @@ class TorchEngine:
     @property
     def busy(self) -> bool:
         return bool(self.landing) or (self.sched is not None and self.sched.busy)
-
-    @property
-    def parked(self):
-        """The running session's parked KV: key -> (ids its blocks hold the KV of, blocks), oldest first."""
-        return self.sched.parked if self.sched is not None else collections.OrderedDict()
 
     def end(self, key):
         """The trajectory is over: its parked KV goes back to the pool."""

@@ -7,7 +7,9 @@ environment's messages alternating, as one list of token ids:
      context only          trained, exactly as sampled           context only             trained
 
 The contract an env class keeps (data.env: "module:Class") is told in rollout.py's docstring, beside the
-Generator that plays it; without data.env, rollout.SingleTurn (the reward hook as a one-turn env) is played.
+Generator that plays it. Without data.env none of this loop runs: rollout.play_single_turn samples one turn per
+trajectory through `generate` below and grades it with `guarded`'s deadline (a test plays rollout.SingleTurn, the
+reward hook as a one-turn env, here too, and compares).
 
 Tokens across turns (GLM-5's "TITO": the trainer never re-tokenizes). The model's tokens are kept as
 sampled, with their logprobs; a turn ends at a stop id of the chat format (GLM: <|observation|> hands
@@ -41,10 +43,12 @@ import json
 import math
 import numbers
 import operator
+import os
 import queue
 import re
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field, replace
 
 from data import chat_ids, load_object, math_reward, render_prompt
@@ -375,7 +379,7 @@ def _scalar(x):
     return x
 
 
-def _reward(x):
+def reward_value(x):
     """The reward as a float: a real number (numpy and torch scalars too), finite. A NaN would make its whole group's
     advantages NaN and the step be skipped; a string is not a score."""
     x = _scalar(x)
@@ -400,7 +404,7 @@ def _answer(ep: Episode, out, cut, tokenizer, limits: Limits, name):
         info = {} if info is None else info
         if not isinstance(info, dict):
             raise TypeError(f"step()'s info must be a dict, got {info!r:.200}")
-        reward, done = _reward(reward), _flag(done)
+        reward, done = reward_value(reward), _flag(done)
         tool_calls, tool_io = int(info.get("tool_calls", 0)), list(info.get("tool_io", ()))
         messages = _cap(messages, limits.max_env_chars)
     except Exception as e:  # noqa: BLE001 (the env's bug is data here)
@@ -520,7 +524,7 @@ def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopp
                 it += 1
                 for j, c in done:
                     i, redo = owner.pop(j)
-                    if c.finish_reason == "abort":  # an update without partial rollouts, or a stop: again
+                    if c.finish_reason == "abort":  # SGLang's update without partial rollouts, or a stop: again
                         if not stopping():
                             submit(i, redo + 1)
                         continue
@@ -566,7 +570,7 @@ def _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, s
         per = [replace(sampling, max_new_tokens=min(limits.max_new_tokens,
                                                     limits.max_total_tokens - len(episodes[i].response)))
                for i in live]
-        calls = _generate(engine, [episodes[i].prompt + episodes[i].response for i in live], per,
+        calls = generate(engine, [episodes[i].prompt + episodes[i].response for i in live], per,
                           seed + turn * TURN_SEED, stopping)
         with contextlib.closing(calls):  # closed early: the engine's call is cancelled at once
             for part in ((c,) for c in calls) if each else (list(calls),):
@@ -582,13 +586,15 @@ def _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, s
         live, turn = [i for i in live if episodes[i].finish is None], turn + 1
 
 
-def _generate(engine, prompts, per, seed, stopping):
-    """Yield (index, Completion) of one turn's call as they finish (a streaming engine) or all at the end.
-    Aborted completions (a stop, or SGLang's update without partial rollouts) are generated again until
-    none is left, unless the generator is stopping."""
+def generate(engine, prompts, per, seed, stopping):
+    """One engine call for every prompt (one turn each; per: their SamplingParams): yield (index, Completion) as
+    each finishes (an engine that streams, or drives a session) or all at the end (an engine with generate alone).
+    Aborted completions (a stop, or SGLang's update without partial rollouts) are generated again until none is
+    left, unless the generator is stopping. Request i samples with request_seeds(seed, len(prompts))[i]."""
     redo = []
-    if hasattr(engine, "stream"):
-        stream = engine.stream(prompts, per, seed=seed)
+    if hasattr(engine, "stream") or hasattr(engine, "session"):
+        stream = (engine.stream(prompts, per, seed=seed) if hasattr(engine, "stream")
+                  else _session_stream(engine, prompts, per, seed))
         try:
             for i, c in stream:
                 if c.finish_reason == "abort":
@@ -610,6 +616,38 @@ def _generate(engine, prompts, per, seed, stopping):
                 redo.append(i)
             else:
                 yield i, c
+
+
+def _session_stream(engine, prompts, per, seed):
+    """TorchEngine.stream's call on an engine that has a session but no stream (SGLang)."""
+    longest = max(len(p) + s.max_new_tokens for p, s in zip(prompts, per))
+    with engine.session(per[0], longest, max(s.max_new_tokens for s in per)) as call:
+        for p, s, sd in zip(prompts, per, request_seeds(seed, len(prompts))):
+            call.submit(p, s.max_new_tokens, sd, park=False)
+        while call.busy:
+            yield from call.step()
+
+
+def report_failures(failures, total, batch, max_fraction, run_dir=None, rank=0, seen=None, max_warnings=5):
+    """A rollout batch's failed trajectories (Episodes with a failure) out of `total`, as data: a warning line each
+    (at most max_warnings), the first traceback of each kind in run_dir/env_failures/ (kinds in `seen`, a set kept
+    across batches), and TooManyFailures, one line, if more than max_fraction of the batch failed."""
+    for ep in failures[:max_warnings]:
+        print(f"[rollout] env failure on example {ep.index} (batch {batch}): {ep.failure}", flush=True)
+    if len(failures) > max_warnings:
+        print(f"[rollout] ... and {len(failures) - max_warnings} more env failures in batch {batch}", flush=True)
+    for ep in failures:
+        kind = re.sub(r"\W+", "_", ep.failure.split(":")[0])
+        if run_dir is not None and kind not in seen:
+            seen.add(kind)
+            folder = os.path.join(run_dir, "env_failures")
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"{kind}" + (f"_rank{rank}" if rank else "") + ".txt"), "w") as f:
+                f.write(f"example {ep.index}, batch {batch}: {ep.failure}\n\n")
+                f.write("".join(traceback.format_exception(ep.error)))
+    if total and len(failures) / total > max_fraction:
+        raise TooManyFailures(f"{len(failures)} of {total} trajectories of rollout batch {batch} failed in the env "
+                              f"(over rollout.max_failure_fraction={max_fraction}); the first: {failures[0].failure}")
 
 
 # ----------------------------------------------------------------------------- supervised traces

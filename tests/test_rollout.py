@@ -55,7 +55,7 @@ def test_weights_land_between_batches(staleness):
             assert {s.versions for s in batch.samples} == {(max(0, step - staleness),) * 2}, step
             gen.publish([], version=step + 1)  # returns only once the batches sampled by older weights are done
             gen.open(step + 1)
-            assert gen.index >= step + 1 + staleness
+            assert gen.next_batch >= step + 1 + staleness
             kept = gen.pending(step + 1)
             assert [b.index for b in kept] == list(range(step + 1, step + 1 + staleness))
     finally:
@@ -63,7 +63,7 @@ def test_weights_land_between_batches(staleness):
     resumed = make_generator(staleness)
     resumed = Generator(resumed.engine, resumed.stream, resumed.tokenizer, rollout_cfg(staleness), resumed.sampling,
                         env_cls=resumed.env_cls, first_index=4, ready=kept)
-    assert resumed.index == 4 + staleness and [resumed.get(timeout=1).index for _ in kept] == [b.index for b in kept]
+    assert resumed.next_batch == 4 + staleness and [resumed.get(timeout=1).index for _ in kept] == [b.index for b in kept]
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])
@@ -76,7 +76,7 @@ def test_staleness_gate(staleness):
             assert batch.index == step
             assert all(step - s.versions[0] <= staleness for s in batch.samples)
             time.sleep(0.2)  # a slow learner: the generator must not run further ahead than allowed
-            assert gen.index <= step + 1 + staleness
+            assert gen.next_batch <= step + 1 + staleness
             gen.publish([], version=step + 1)
             gen.open(step + 1)
     finally:
@@ -264,6 +264,57 @@ def test_a_reward_that_raises_is_data_until_too_many_fail(tmp_path, capsys):
             gen.get(timeout=30)
     finally:
         gen.stop()
+
+
+def test_the_single_turn_path_plays_as_the_episode_loop_plays_the_reward_hook():
+    """rollout.play_single_turn (the default path: one engine call, each response graded as it finishes) against the
+    reference, machinery/env.py's episode loop playing rollout.SingleTurn: the same episodes in the same order,
+    token for token (prompts, responses, logprobs, spans, versions), the same rewards, finishes and failures (a
+    reward that raises, one that returns NaN), a response cut at max_new_tokens included."""
+    tok = make_tiny_tokenizer()
+    engine = TorchEngine(tiny_model_for(tok), max_batch=4)  # two waves: completions arrive over several iterations
+    examples = [{"prompt": f"{a}*3=", "label": str(3 * a)} for a in range(5)]
+
+    def grade(text, example):
+        if example["label"] == "3":
+            raise ZeroDivisionError("grader exploded")
+        return math.nan if example["label"] == "6" else float(len(text) % 3)
+
+    hook, limits = single_turn(grade), Limits(5, 5, 1, timeout_s=10.0)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=5, stop_token_ids=(tok.eos_token_id,))
+    played = []
+    for play in (rollout.play_single_turn, env.run_episodes):
+        eps = [env.Episode(ex, i) for i, ex in enumerate(examples) for _ in range(3)]
+        order = [i for i, _ in play(engine, eps, hook, tok, sampling, limits, seed=11, chat_template=True)]
+        played.append((order, [(ep.prompt, ep.response, ep.logprobs, ep.spans, ep.versions, ep.turns, ep.reward,
+                                ep.finish, ep.failure) for ep in eps]))
+    assert played[0] == played[1]
+    finishes = {f for _, _, _, _, _, _, _, f, _ in played[0][1]}
+    failures = [why for *_, why in played[0][1] if why]
+    assert {"length", "failed"} <= finishes and len(failures) == 6
+    assert any("ZeroDivisionError" in w for w in failures) and any("finite number" in w for w in failures)
+
+
+def test_a_reward_that_hangs_fails_its_trajectory_at_the_deadline():
+    """The reward call runs with a deadline (rollout.env_timeout_s): a reward that never returns fails only its
+    trajectory (its group, which loses all 3, is replaced in a further round), and the batch is made from the rest."""
+    release = threading.Event()
+
+    def stuck_on_two(text, example):
+        if example["label"] == "2":
+            release.wait(30)  # hangs (until the test ends)
+        return 1.0
+
+    gen = make_generator(0, reward_fn=stuck_on_two, n=3)
+    gen.prompts_per_step, gen.limits = 4, replace(gen.limits, timeout_s=0.5)
+    gen.start()
+    try:
+        batch = gen.get(timeout=30)  # (a reward call without a deadline would hang here)
+    finally:
+        release.set()
+        gen.stop()
+    assert batch.metrics["rollout/env_failures"] == 3 and batch.metrics["rollout/groups_failed"] == 1
+    assert "2" not in {s.example["label"] for s in batch.samples} and len({s.group for s in batch.samples}) == 4
 
 
 def test_stop_interrupts_generation_in_flight():

@@ -28,6 +28,7 @@ import dsa
 from machinery import env
 import grpo
 from machinery import parallel
+from machinery import variants
 import train
 from machinery.engine import SamplingParams, TorchEngine
 from machinery.teacher import Teacher
@@ -1204,7 +1205,7 @@ def test_rl_step_replays_routes_and_logs_agreement_and_both_gaps(moe_rollouts):
 @pytest.mark.parametrize("bf16", [False, True])
 def test_the_gaps_with_and_without_replay_are_measured_on_a_probe_of_the_first_micro_batch(moe_rollouts, monkeypatch,
                                                                                            bf16):
-    """With more samples than train.ROUTING_PROBE_SAMPLES, routing/logp_diff_mean_{replay,fresh} are the gaps over the
+    """With more samples than variants.ROUTING_PROBE_SAMPLES, routing/logp_diff_mean_{replay,fresh} are the gaps over the
     probe's tokens (MicroBatch.probe): each probed sample's logprobs from a forward of it alone, routed afresh (fresh)
     or replaying its routes (replay), against the generator's. The learner's router is nudged, so fresh routes differ.
     bf16: the learner's autocast on (as on a GPU; train.autocast turns it on for CUDA only): the extra forward runs
@@ -1217,7 +1218,7 @@ def test_the_gaps_with_and_without_replay_are_measured_on_a_probe_of_the_first_m
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
     precision = (lambda device: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else parallel.autocast
     monkeypatch.setattr(train, "autocast", precision)
-    monkeypatch.setattr(train, "ROUTING_PROBE_SAMPLES", 5)  # 12 samples: every 3rd, 4 of them
+    monkeypatch.setattr(variants, "ROUTING_PROBE_SAMPLES", 5)  # 12 samples: every 3rd, 4 of them
     mb, _ = moe_micro_batch(net, prompts, comps)
     probe, _ = mb.probe(5)
     assert len(probe.samples) == 4

@@ -1,0 +1,87 @@
+"""
+What train.rl_step adds to the objective when a variant is on, each entering the step through one named call, so
+that rl_step reads as the formula: the KL reference's log-probs (grpo.kl_coef, the KL guard), on-policy
+distillation's per-token advantages (distill.teacher), routing replay's diagnostics (an MoE model), and the dummy
+micro-batch a rank runs to keep in step with a busier one (several processes). With a variant off each call
+returns its input (or nothing) at once. The learner's forward, train.packed_forward, is handed in: the machinery
+never imports a chapter above it.
+"""
+import torch
+
+import grpo
+from machinery.parallel import autocast, dummy_rows, learner_backward, unwrap
+
+ROUTING_PROBE_SAMPLES = 32  # routing_metrics' extra forward: this many samples of each rank's first micro-batch at most
+
+
+def reference_logprobs(ref_model, parts, forward, temperature, like):
+    """[N] log pi_ref of the batch's scored tokens (like gen_logp: sample after sample), no grad, before the update;
+    None without a reference model. parts: the step's (k, MicroBatch or None) micro-batches."""
+    if ref_model is None:
+        return None
+    ref_logp = torch.zeros_like(like)
+    with torch.no_grad(), autocast(like.device):
+        for _, mb in parts:  # every rank runs every micro-batch, a dummy one too (FSDP's gathers are collectives)
+            lp = forward(ref_model, mb.rows if mb else dummy_rows(ref_model), temperature)[0]
+            if mb:
+                ref_logp[mb.tokens] = lp
+    return ref_logp
+
+
+def distill(adv, mb, logp, teacher_logp, d, sums):
+    """On-policy distillation (grpo.distill_advantages): with a teacher, the micro-batch's advantages become per token,
+    [B, T] = coef * (log pi_teacher - log pi_prox) (+ the outcome's [B] with distill.outcome), and the reverse KL to the
+    teacher is summed into sums["distill_kl"]. Without one (teacher_logp None), adv [B] as it is."""
+    if teacher_logp is None:
+        return adv
+    adv, kl = grpo.distill_advantages(mb.pad(teacher_logp[mb.tokens]), mb.pad(logp), d.coef, adv if d.outcome else None)
+    sums["distill_kl"] = sums.get("distill_kl", 0.0) + kl[mb.mask].sum()
+    return adv
+
+
+def dummy_micro_batch(model, logp, last, first, forward, temperature):
+    """A rank with fewer micro-batches than another runs the same collectives at weight 0 (logp: its forward over
+    parallel.dummy_rows): a zero backward and, on an MoE model, routing_metrics' extra forward."""
+    learner_backward(model, logp.sum() * 0.0, last)
+    if first and unwrap(model).cfg.moe is not None:
+        with torch.no_grad():
+            forward(model, dummy_rows(model), temperature)
+
+
+def routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, first, forward):
+    """MoE diagnostics, summed like the step's other metrics ({} for a dense model, routing None): routing/agree
+    (tokens x MoE layers whose learner top-k set equals the generator's, from the training forward itself) and, on a
+    probe of each rank's first micro-batch (at most ROUTING_PROBE_SAMPLES samples spread over it), the learner-generator
+    gap |log pi_learner - log pi_gen| with replay and without, the second from one more forward (no grad) that routes
+    the other way: the price of the computation routing replay avoids, measured on a sample to keep it cheap."""
+    if routing is None:
+        return {}
+    agree, seen = (torch.stack(t).sum(0) for t in zip(*routing.agree))
+    out = {"routing_agree": sums.get("routing_agree", 0.0) + agree, "routing_seen": sums.get("routing_seen", 0.0) + seen}
+    if first:
+        probe, mine = mb.probe(ROUTING_PROBE_SAMPLES)  # mine [N_probe]: its tokens among mb's
+        with torch.no_grad(), autocast(gap.device):  # in the training forward's precision (bf16 autocast on GPU)
+            other = forward(model, probe.rows, temperature, routing=probe.routing(not routing.apply))[0]
+        gaps = {routing.apply: gap[mine], not routing.apply: (other - gen_logp[probe.tokens]).abs()}
+        out |= {"routing_gap_replay": gaps[True].sum(), "routing_gap_fresh": gaps[False].sum(),
+                "routing_gap_tokens": torch.tensor(float(len(mine)), device=gap.device)}
+    return out
+
+
+def routing_ratios(total):
+    """routing/* from routing_metrics' sums over every rank ({} for a dense model): ratios of their own sums."""
+    if "routing_seen" not in total:
+        return {}
+    return {"routing/agree": total["routing_agree"] / max(1, total["routing_seen"]),
+            **{f"routing/logp_diff_mean_{w}": total[f"routing_gap_{w}"] / max(1, total["routing_gap_tokens"])
+               for w in ("replay", "fresh")}}
+
+
+def kl_guard_scale(guard, metrics, on):
+    """The KL guard (grpo.KLGuard, with a reference model: on): the lr's scale this step, fed the step's train/kl, its
+    state added to metrics; 1.0 without one."""
+    if not on:
+        return 1.0
+    scale = guard.update(metrics["train/kl"])
+    metrics.update({"kl_guard/scale": scale, "kl_guard/fired": float(guard.fired), "kl_guard/kl_mean": guard.window_mean})
+    return scale
