@@ -368,7 +368,7 @@ class Generator:
                 (spare if self.dynamic_sampling and not grpo.informative([s.reward for s in g]) else kept).append(g)
             cancelled += len(examples) - len(groups)
             if sum(ep.failure is not None for ep in episodes) > self.max_failures * len(episodes):
-                break  # too many failed already (an env that is down): stop now (_report), not after more rounds
+                break  # too many failed already (an env that is down): stop now (report_failures), not after more rounds
         failures = [ep for ep in episodes if ep.failure is not None]  # data: warnings, tracebacks, a stop if too many
         env.report_failures(failures, len(episodes), self.next_batch, self.max_failures, self.run_dir, self.rank,
                             self.seen_failures, MAX_WARNINGS)
@@ -494,7 +494,8 @@ def sampling_params(cfg, model, tokenizer, max_new_tokens) -> SamplingParams:
 
 
 def run_eval(cfg, engine, tokenizer, sets, stop_ids, env_cls) -> dict:
-    """Every eval set (data.eval) at train.eval_temperature, and greedily: eval/<set>/<metric>. Each rank evaluates
+    """Every eval set (data.eval) at train.eval_temperature, and greedily too with train.eval_greedy (one argmax
+    answer per problem: eval/<set>/greedy_accuracy): eval/<set>/<metric>. Each rank evaluates
     every world()-th example on its own engine; accuracy and pass@k are means over prompts, so the prompt-weighted
     mean of the ranks' numbers is that of the whole set."""
     t = cfg.train

@@ -401,6 +401,32 @@ def test_synthetic_task():
         synthetic_task(1, 0, split="valid")
 
 
+def test_synthetic_pools_and_operands():
+    # synthetic_task's docstring: 806 / 94 problems, operands 0-19 (+, -) and 0-9 (*); 7343 / 757 two-digit products
+    def pool(task, split):
+        return {e["prompt"] for e in synthetic_task(10000, seed=0, split=split, task=task)}
+    assert (len(pool("synthetic", "train")), len(pool("synthetic", "test"))) == (806, 94)
+    for p in pool("synthetic", "train") | pool("synthetic", "test"):
+        a, op, b = next((p[:i], p[i], p[i + 1:-1]) for i in range(1, len(p)) if p[i] in "+-*")
+        assert 0 <= int(a) < (10 if op == "*" else 20) and 0 <= int(b) < (10 if op == "*" else 20)
+    for task in ("synthetic:multiply", "synthetic:multiply-no-tool"):
+        assert (len(pool(task, "train")), len(pool(task, "test"))) == (7343, 757)
+
+
+def test_synthetic_multiply_examples():
+    train, test = synthetic_task(400, seed=0, task="synthetic:multiply"), \
+        synthetic_task(50, seed=0, split="test", task="synthetic:multiply")
+    for e in train + test:
+        assert str(eval(e["prompt"][:-1])) == e["label"] and math_reward(f"\\boxed{{{e['label']}}}", e) == 1.0
+        assert e["solution"] == ([f"calc({e['prompt'][:-1]})", f"\\boxed{{{e['label']}}}"] if e["tools"]
+                                 else f"\\boxed{{{e['label']}}}")
+    assert all(e["tools"] for e in test)  # the test split always has the tool
+    assert 0.15 < sum(not e["tools"] for e in train) / len(train) < 0.35  # a quarter of train comes without it
+    assert not any(e["tools"] for e in synthetic_task(100, seed=0, task="synthetic:multiply-no-tool"))
+    with pytest.raises(ValueError, match="unknown synthetic task"):
+        synthetic_task(1, 0, task="synthetic:divide")
+
+
 # -----------------------------------------------------------------------------
 # Grading
 
