@@ -346,7 +346,7 @@ class KLGuard:
 def informative(rewards) -> bool:
     """A group (its samples' rewards) with at least two different rewards. The others have A = 0 for
     every token, so they cost compute and shrink the effective batch; DAPO drops them and refills. A NaN is
-    no value (it is unequal even to itself, so a set would count each NaN apart); machinery/env.py (_reward) fails a
+    no value (it is unequal even to itself, so a set would count each NaN apart); machinery/env.py (reward_value) fails a
     trajectory with a non-finite reward before it gets here."""
     return len({r for r in rewards if not math.isnan(r)}) > 1
 

@@ -78,7 +78,7 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     knows where one ends: no token attends across sequences, and attention costs sum_i L_i^2 (model.Packed).
     entropy: None (not needed), "metric" (no gradient) or "grad" (the loss has an entropy term). Returns
     (logprobs [N] of every scored token, the sequences one after the other; entropies [N] or None; indexer
-    KL or None). routing (MoE): a model.Routing over the row, the generator's experts to replay (MicroBatch.routing)."""
+    KL or None). routing (MoE): a mla_moe.Routing over the row, the generator's experts to replay (MicroBatch.routing)."""
     net = unwrap(model)  # model may be DDP/FSDP-wrapped: call it, but reach its lm_head directly
     device = net.embed_tokens.weight.device
     lengths = [len(seq) for seq, _ in rows]

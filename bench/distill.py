@@ -15,7 +15,7 @@ Read from each run's metrics.jsonl: held-out sampled accuracy (eval/synthetic/ac
 T = 2.0) at RL steps 0, 100 and 250, greedy accuracy at the end, and the first eval (every 25 RL steps) at or above
 90% of the teacher's final sampled accuracy: its RL step, and the seconds the RL stage took to get there
 (time/elapsed_s at that eval minus at RL step 0: the warm-ups are the same for every mode). --write puts the table
-in docs/benchmarks.md; the README's is the same table.
+in docs/benchmarks.md (the README links to it).
 """
 import os
 import statistics

@@ -68,8 +68,8 @@ from bench.learner import SHAPES as LEARNER_SHAPES  # noqa: E402
 from machinery import config, fp8  # noqa: E402
 from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from machinery.parallel import autocast  # noqa: E402
-import model as model_py  # noqa: E402
-from model import GLM, GLMConfig, Routing, hf_name  # noqa: E402
+from families.mla_moe import LATENT_TYPES, Routing  # noqa: E402
+from model import GLM, GLMConfig, hf_name  # noqa: E402
 from rollout import RolloutBatch, Sample  # noqa: E402
 import train  # noqa: E402
 
@@ -150,7 +150,7 @@ def arch_of(shape, layers, quick):
 
 def hf_class(arch):
     import transformers
-    return getattr(transformers, model_py.LATENT_TYPES[arch.model_type])
+    return getattr(transformers, LATENT_TYPES[arch.model_type])
 
 
 def hf_config(arch):

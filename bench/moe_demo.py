@@ -10,7 +10,7 @@ Each run is `python train.py --config configs/tiny_moe_cpu.yaml seed=S model.rou
 routing/agree (the fraction of (token, MoE layer) pairs whose learner top-k set equals the generator's), of the
 learner-generator gap with replay and without (routing/logp_diff_mean_replay, _fresh: on routing_metrics' probe of
 up to 32 samples, one of the two from its extra forward) and of each step's worst token's gap (train/logp_diff_max).
---write puts the table in docs/benchmarks.md; the README's is the same table.
+--write puts the table in docs/benchmarks.md (the README links to it).
 """
 import os
 import re

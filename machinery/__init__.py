@@ -6,17 +6,20 @@ imports a chapter above it (rollout.py, train.py): what it needs from them is ha
     config.py      every config key with its default and comment, loading, validation, the memory plan's entry
     memory.py      what one learner and one generator GPU hold, from shapes (--dry-run)
     parallel.py    ranks, devices, FSDP2/DDP, micro-batches, the optimizer step, the weights a publish sends
+    variants.py    what rl_step adds when a variant is on: the KL reference, distillation, routing replay's diagnostics
     checkpoint.py  the run directory, atomic checkpoints, resume, the KL reference, metrics, signals, one-line errors
     engine.py      generation: the sampler and TorchEngine (scheduler.py: its rows; graphs.py: CUDA graphs;
                    sglang.py: SGLang's engine behind the same calls), make_engine
     env.py         the episode loop: trajectories played turn by turn on the engine, env calls with deadlines
     tools.py       the Python tool env (PythonMath), on sandbox.py's worker processes
+    teacher.py     on-policy distillation's teacher: a frozen model's log-prob of every sampled token
     colocate.py    one GPU for both halves in turn (train.colocate)
     lora.py        LoRA adapters for RL, their checkpoints, the merged export (python -m machinery.lora merge)
     fp8.py         block-wise fp8 generator weights
     hub.py         Hugging Face Hub ids for the model and the data
     plot.py        a run's curves from metrics.jsonl (python -m machinery.plot RUN_DIR)
 """
+import families.mla_moe  # noqa: F401 (it registers GLM-4.7-Flash's and GLM-5's layers in model.FAMILIES, for every run)
 
 
 class ConfigError(ValueError):

@@ -51,9 +51,10 @@ class ModelConfig:
     # (rollout), or routes afresh (none). A tiny numeric difference between the two copies flips a token's top-k
     # experts, and the importance ratios of the tokens after it blow up; replaying the rollout's routes (slime's
     # rollout routing replay, verl's R3) keeps the learner on the generator's computation, while the router's
-    # weight still learns through the weights it gives the replayed experts. routing/* in metrics.jsonl shows the
-    # agreement and the learner-generator gap with and without. The router's score-correction bias (a buffer the
-    # pre-training balancer nudged, never a gradient's) stays as loaded. Dense models ignore this key
+    # weight still learns through the weights it gives the replayed experts (in full fine-tuning: under model.lora
+    # the router stays frozen). routing/* in metrics.jsonl shows the agreement and the learner-generator gap with
+    # and without. The router's score-correction bias (a buffer the pre-training balancer nudged, never a
+    # gradient's) stays as loaded. Dense models ignore this key
     routing_replay: str = "rollout"
 
 
@@ -580,7 +581,8 @@ PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "inte
                                  "max_position_embeddings": 32768, "pad_token_id": 151329,
                                  "eos_token_id": [151329, 151336, 151338]},
              # GLM-4.7-Flash (transformers' glm4_moe_lite): MLA, 64 routed experts + 1 shared, 4 active, the first
-             # layer dense; its files also hold one multi-token-prediction layer (layer 47), which we do not use
+             # layer dense; its files also hold one multi-token-prediction layer (model.layers.47.*), which model.py's
+             # load does not skip yet: the real checkpoint's load stops with "unexpected tensor" (open)
              "GLM-4.7-Flash": {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
                                "vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
                                "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,

@@ -25,7 +25,7 @@ layers and `mlp.shared_experts.{gate,up,down}_proj`, and the routed experts' sta
 `..._scale_inv` [E, ceil(N/128), ceil(K/128)] (`FP8Experts`). Not quantized: the embeddings, norms, lm_head,
 biases, the whole DSA indexer (`...self_attn.indexer.*`): an fp8 indexer would change which keys the generator
 picks (dsa.py's precision notes); the MoE router (`mlp.gate`, fp32 for the same reason: model.FP32_PARAMS); and
-MLA's `kv_b_proj`, which the absorbed decode (model.LatentAttention.paged_decode) reads as a matrix, its key half
+MLA's `kv_b_proj`, which the absorbed decode (mla_moe.LatentAttention.paged_decode) reads as a matrix, its key half
 folded into the query and its value half applied after attention, not through a linear of activations (it is
 under 1% of GLM-4.7-Flash's weights). They stay as the rest of the generator (bf16, model.FP32_PARAMS in fp32).
 
@@ -56,7 +56,7 @@ reference_linear (the Triton kernel when TRITON_INTERPRET=1). None of them is di
 In the model (`quantize_model_`): every quantized nn.Linear becomes an `FP8Linear` whose `weight` (fp8) and
 `weight_scale_inv` (fp32) are nn.Parameters with requires_grad=False (so `model.named_parameters()`, which
 the engine copies published weights into by name, lists them: "<layer>.weight" and "<layer>.weight_scale_inv",
-DeepSeek's names), and every model.Experts an `FP8Experts` ("<experts>.gate_up_proj" and
+DeepSeek's names), and every mla_moe.Experts an `FP8Experts` ("<experts>.gate_up_proj" and
 "<experts>.gate_up_proj_scale_inv", the same for down_proj), which computes kernels/moe.experts_forward with
 fp8 matmuls: where the Triton kernel runs, one grouped launch per projection for every expert
 (`triton_grouped_linear`: its row tiles worked out on the device, so decode graphs capture it), else one
@@ -78,7 +78,8 @@ import torch.nn.functional as F
 from kernels import dsa_triton
 from kernels import moe as moe_kernels
 from dsa import fp32_scope
-from model import GLM, Experts
+from families.mla_moe import Experts
+from model import GLM
 
 BLOCK = 128  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -88,7 +89,7 @@ FP8 = torch.float8_e4m3fn
 # The decoder's linear weights, by our parameter name (an HF name's "model." prefix is accepted too): GLM-4's
 # attention and MLP; MLA's projections but kv_b_proj (the module docstring says why); the MoE families' SwiGLU (dense
 # layers, shared experts); and the routed experts' stacked [E, N, K] tensors (no ".weight": parameters of
-# model.Experts). Never the indexer's, the router's (mlp.gate.weight) or a bias.
+# mla_moe.Experts). Never the indexer's, the router's (mlp.gate.weight) or a bias.
 _LINEARS = (r"self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa)|mlp\.(gate_up|down|gate|up)_proj"
             r"|mlp\.shared_experts\.(gate|up|down)_proj")
 _QUANTIZED = re.compile(rf"(model\.)?layers\.\d+\.(({_LINEARS})\.weight|mlp\.experts\.(gate_up|down)_proj)")
@@ -455,7 +456,7 @@ class FP8Linear(nn.Module):
 
 
 class FP8Experts(nn.Module):
-    """model.Experts' place in the generator: the routed experts' stacked weights, each expert's matrix quantized
+    """mla_moe.Experts' place in the generator: the routed experts' stacked weights, each expert's matrix quantized
     block-wise on its own: gate_up_proj fp8 [E, 2I, H] with gate_up_proj_scale_inv fp32 [E, ceil(2I/128),
     ceil(H/128)], down_proj fp8 [E, H, I] with down_proj_scale_inv [E, ceil(H/128), ceil(I/128)] (nn.Parameters
     without gradients, as FP8Linear's). forward(x, idx, w) is kernels/moe.experts_forward's computation with each
@@ -471,7 +472,7 @@ class FP8Experts(nn.Module):
 
     @classmethod
     def from_experts(cls, experts) -> "FP8Experts":
-        """model.Experts' weights quantized (quantize, one expert at a time); meta in, meta out."""
+        """mla_moe.Experts' weights quantized (quantize, one expert at a time); meta in, meta out."""
         E, H, I = experts.down_proj.shape
         with torch.device("meta"):  # the empty shell; its tensors are replaced just below
             m = cls(E, H, I)
@@ -518,7 +519,7 @@ class FP8Experts(nn.Module):
 def quantize_model_(model):
     """In place: every quantized nn.Linear of a model.GLM (is_quantized of "<its name>.weight") becomes an
     FP8Linear holding quantize(its weight), one at a time (a loaded model's peak: its own weights plus one
-    linear's fp32 copy while it is quantized), and every model.Experts (is_quantized of "<its name>.gate_up_proj")
+    linear's fp32 copy while it is quantized), and every mla_moe.Experts (is_quantized of "<its name>.gate_up_proj")
     an FP8Experts. Works on a meta-device model (then empty fp8 tensors). Everything else (embeddings, norms,
     lm_head, biases, the DSA indexer, the MoE routers, kv_b_proj) is left as it is. Returns model.
     Cast first (GLM.cast_): a cast after this converts the fp8 codes."""

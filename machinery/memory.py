@@ -15,7 +15,8 @@ from kernels import dsa_triton
 from machinery import lora
 from machinery.engine import PREFILL_TOKENS
 from machinery.fp8 import weight_bytes as fp8_weight_bytes
-from model import BLOCK_SIZE, FP32_PARAMS, GLM, GROUP_RATIO, GLMConfig, route_dtype
+from families.mla_moe import route_dtype
+from model import BLOCK_SIZE, FP32_PARAMS, GLM, GROUP_RATIO, GLMConfig
 
 # Transients that never coexist (one chunk's logits, one recomputed block, a reduce-scatter buffer) enter
 # as the largest of them. Sizes in bytes, tables in GiB (2^30): an "80 GB" H100 shows 79.6 GiB in

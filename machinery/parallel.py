@@ -31,7 +31,8 @@ import data
 from machinery import fp8
 from machinery import lora
 from machinery.config import ConfigError
-from model import FP32_PARAMS, GLM, MoE, Routing, no_route
+from families.mla_moe import MoE, Routing, no_route
+from model import FP32_PARAMS, GLM
 
 
 def rank():
@@ -259,8 +260,8 @@ class MicroBatch:
                           routes), mine
 
     def routing(self, apply: bool) -> Routing | None:
-        """The model.Routing of this packed row (None: a dense model): the generator's experts of every token, the
-        samples end to end [n_moe, 1, L, k], model.no_route where none was recorded (a sequence's last token, never
+        """The mla_moe.Routing of this packed row (None: a dense model): the generator's experts of every token, the
+        samples end to end [n_moe, 1, L, k], mla_moe.no_route where none was recorded (a sequence's last token, never
         fed; a position the generator's last block skipped). apply: replay them (False: route afresh, and only count
         agreement with them)."""
         if self.routes is None or any(r is None for r in self.routes):

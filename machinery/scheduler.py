@@ -57,7 +57,7 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "abort"
     versions: tuple[int, int]  # (oldest, newest) weight version that produced its tokens
     # MoE models: the experts each context position took, prompt and sampled tokens alike, uint8/int16 [positions,
-    # n_moe layers, k] on the host (model.no_route where a layer did not route it); None for a dense model
+    # n_moe layers, k] on the host (mla_moe.no_route where a layer did not route it); None for a dense model
     routes: torch.Tensor | None = None
 
 

@@ -562,7 +562,7 @@ def test_a_context_that_does_not_extend_its_parked_tokens_prefills_whole():
 # ----------------------------------------------------------------------------- MoE: the routes each token took
 
 from machinery.scheduler import extend_routes  # noqa: E402
-from model import Routing, no_route  # noqa: E402
+from families.mla_moe import Routing, no_route  # noqa: E402
 
 NO = no_route(torch.uint8)  # the routes' "not routed" id (8 experts: uint8)
 

@@ -481,7 +481,7 @@ def test_an_moe_episode_carries_the_routes_of_every_position_of_its_trajectory(m
     trajectory chooses, every MoE layer routed from the prompt's last token on (the later turns extend their parked
     KV: each env token runs every layer), the prompt's earlier tokens routed in every MoE layer but the last (the
     prefill runs its last block at the prompt's last token only)."""
-    from model import Routing, no_route
+    from families.mla_moe import Routing, no_route
     turns = []
     model_turn = env.model_turn
     monkeypatch.setattr(env, "model_turn", lambda ep, c: turns.append((ep.index, c)) or model_turn(ep, c))

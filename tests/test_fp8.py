@@ -19,7 +19,8 @@ from torch.overrides import TorchFunctionMode
 from machinery import fp8
 from conftest import compile_for_h100
 from dsa import FP32_PARAMS
-from model import GLM, GLMConfig, Routing
+from families.mla_moe import Routing
+from model import GLM, GLMConfig
 from test_engine import tiny_model
 
 FP32_TOL = 1e-5
@@ -532,7 +533,7 @@ def test_weight_bytes():
 # experts top-2 and a shared expert). What fp8 holds there: MLA's projections but kv_b_proj, the dense and shared
 # SwiGLUs, and the routed experts per expert; the router, the indexer and kv_b_proj stay as the bf16 generator's.
 
-import model as model_mod  # noqa: E402
+from families import mla_moe  # noqa: E402
 from kernels import moe as moe_kernels  # noqa: E402
 from model import FP32_PARAMS as MODEL_FP32  # noqa: E402
 
@@ -615,7 +616,7 @@ def test_fp8_experts_equal_a_token_by_token_loop_of_fp8_linears(dtype, path, mon
     x, idx, w, gate_up, down = experts_case()
     cfg = GLMConfig(model_type="glm4_moe_lite", hidden_size=160, num_layers=2, num_heads=2, mla={},
                     moe=dict(n_routed_experts=5, moe_intermediate_size=96, num_experts_per_tok=2))
-    experts = model_mod.Experts(cfg)
+    experts = mla_moe.Experts(cfg)
     with torch.no_grad():
         experts.gate_up_proj.copy_(gate_up)
         experts.down_proj.copy_(down)
@@ -737,7 +738,7 @@ def test_weight_bytes_moe():
     count from the shapes by hand: fp8 tensors 1 byte + 4 per 128 x 128 block (per expert), model.FP32_PARAMS and the
     routers' biases 4, the rest 2."""
     cfg = tiny_moe().cfg
-    q = fp8._quantize_modules_(tiny_moe().cast_(torch.bfloat16))  # (quantize_model_'s, whatever model.MoE calls)
+    q = fp8._quantize_modules_(tiny_moe().cast_(torch.bfloat16))  # (quantize_model_'s, whatever mla_moe.MoE calls)
     actual = sum(t.numel() * t.element_size() for t in [*q.parameters(), *q.buffers()])
     expect = 0
     for name, p in tiny_moe().named_parameters():

@@ -2,11 +2,12 @@
 The repository's layout, checked: the things README.md and docs/design.md promise about where code lives.
 
 1. The root holds exactly the six tutorial chapters (model, dsa, grpo, data, rollout, train).py; the machinery
-   lives in the package machinery/, the GPU kernels in kernels/.
+   lives in the package machinery/, the GPU kernels in kernels/, the model families beside GLM-4's dense one in
+   families/.
 2. The import rule. docs/design.md states, in a fenced block whose info string is `imports`, which layer may
-   import which (see EXAMPLE_RULE below for the format). Every import in a chapter, in machinery/ and in
-   kernels/ (function-level ones too: they are edges all the same) must follow it, every such file must belong
-   to a layer, and the project's module graph must have no cycle.
+   import which (see EXAMPLE_RULE below for the format). Every import in a chapter and in the packages (PACKAGES:
+   function-level ones too, they are edges all the same) must follow it, every such file must belong to a
+   layer, and the project's module graph must have no cycle.
 3. Every backticked code name in README.md and docs/design.md still exists: file paths, config keys and Python
    names. The docs are the first thing a reader trusts, and a rename or a move silently breaks them.
 
@@ -26,7 +27,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = {"model.py", "dsa.py", "grpo.py", "data.py", "rollout.py", "train.py"}
-PACKAGES = ("machinery", "kernels")  # the directories whose files the import rule covers, beside the root's
+PACKAGES = ("machinery", "kernels", "families")  # the directories whose files the import rule covers, beside the root's
 DOCS = ("README.md", "docs/design.md")
 
 
@@ -332,11 +333,12 @@ CONFIG_SECTIONS = {"model", "data", "rollout", "grpo", "optim", "train", "distil
 # LoRAConfig, dsa.py's DSAConfig, model.py's GLMConfig. Other dict keys (`data.eval.<name>`) take any sub-key.
 DICT_SCHEMAS = {"model.lora": "LoRAConfig", "model.dsa": "DSAConfig", "model.init": "GLMConfig"}
 # Where Python definitions are looked up (bench/ scripts are named in the docs too)
-DEFINITION_DIRS = ("", "machinery", "kernels", "bench")
+DEFINITION_DIRS = ("", "machinery", "kernels", "families", "bench")
 # Where a bare file name (`tiny_cpu.yaml`, `conftest.py`) may live
-FILE_DIRS = ("", "machinery", "kernels", "bench", "tests", "configs", "docs")
+FILE_DIRS = ("", "machinery", "kernels", "families", "bench", "tests", "configs", "docs")
 FILE_SUFFIXES = (".py", ".yaml", ".md", ".sh", ".png")
-REPO_DIRS = {"configs", "bench", "docs", "machinery", "kernels", "tests", ".ci"}  # a path under one is a repo path
+# A path under one of these is a repo path
+REPO_DIRS = {"configs", "bench", "docs", "machinery", "kernels", "families", "tests", ".ci"}
 # Outputs of a run, never in the repository
 RUN_DIRS = {"runs", "run_dir", "checkpoints", "rollouts", "init_model", "reference", "lora_base", "env_failures"}
 RUN_FILES = {"config.yaml"}  # run_dir/config.yaml

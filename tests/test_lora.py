@@ -10,7 +10,8 @@ import torch
 
 from machinery import lora
 from machinery.lora import LoRAConfig
-from model import GLM, GLMConfig, Routing
+from families.mla_moe import Routing
+from model import GLM, GLMConfig
 
 DSA = {"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}
 

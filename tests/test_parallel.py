@@ -11,7 +11,8 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from machinery import parallel
-from model import FP32_PARAMS, GLM, GLMConfig, Routing
+from families.mla_moe import Routing
+from model import FP32_PARAMS, GLM, GLMConfig
 
 
 def test_skips_in_a_row_stop_with_one_line():

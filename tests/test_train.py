@@ -212,6 +212,7 @@ def test_rl_step_under_bf16_autocast(rollouts, monkeypatch):
     for dtype in ("fp32", "bf16"):
         if dtype == "bf16":
             monkeypatch.setattr(train, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+            monkeypatch.setattr(variants, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
         learner = copy.deepcopy(model)
         cfg, opt, guard = rl_setup(learner)
         m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
@@ -279,6 +280,7 @@ def test_multi_turn_loss_is_the_float64_loss_over_model_tokens_alone(multi_turn,
     for dtype in ("fp32", "bf16"):
         if dtype == "bf16":
             monkeypatch.setattr(train, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+            monkeypatch.setattr(variants, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
         learner = copy.deepcopy(model)
         cfg, opt, guard = rl_setup(learner, **{"grpo.agg": agg, "optim.grad_clip": 1e9, "optim.max_tokens_per_micro_batch": 40})
         m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
@@ -1129,7 +1131,7 @@ def test_the_engine_records_every_fed_tokens_routes_as_the_learners_forward_choo
     """Each completion carries the experts its context's tokens took in the generator (prefill, then one decode step
     per token): one row per position fed (the last sampled token never is), and they are the experts the learner's
     own forward of the whole sequence chooses where that forward runs the layer (fp32 on both sides: no ties)."""
-    from model import Routing, no_route
+    from families.mla_moe import Routing, no_route
     model, prompts, comps = moe_rollouts
     n_moe, k = len(model.cfg.moe_layers), model.cfg.moe.num_experts_per_tok
     for p, c in zip(prompts, comps):
@@ -1218,6 +1220,7 @@ def test_the_gaps_with_and_without_replay_are_measured_on_a_probe_of_the_first_m
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.2)
     precision = (lambda device: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else parallel.autocast
     monkeypatch.setattr(train, "autocast", precision)
+    monkeypatch.setattr(variants, "autocast", precision)
     monkeypatch.setattr(variants, "ROUTING_PROBE_SAMPLES", 5)  # 12 samples: every 3rd, 4 of them
     mb, _ = moe_micro_batch(net, prompts, comps)
     probe, _ = mb.probe(5)
