@@ -220,6 +220,20 @@ class RolloutBatch:
     metrics: dict = field(default_factory=dict)
 
 
+@dataclass
+class Rounds:
+    """What a batch's rounds of prompts gave (Generator._rounds): groups of Samples kept for training, uniform ones set
+    aside (dynamic sampling), every Sample generated, every trajectory played (failed ones too, for the failure
+    report, the metrics and the dump), and counts."""
+    kept: list = field(default_factory=list)
+    spare: list = field(default_factory=list)
+    generated: list = field(default_factory=list)
+    episodes: list = field(default_factory=list)
+    rounds: int = 0
+    cancelled: int = 0
+    failed_groups: int = 0
+
+
 class Generator:
     """Runs the generation loop in a background thread and hands RolloutBatches to the learner. The staleness
     gate compares the batch it makes next (next_batch) with the version of the learner's last open() (opened):
@@ -348,42 +362,63 @@ class Generator:
             self.error = e
 
     def _make_batch(self):
+        """Batch next_batch: prompts_per_step groups of n graded samples, numbered in prompt order. By default one
+        round: draw the prompts, play them (_generate_groups), keep every group. Further rounds (_rounds) replace
+        groups lost to failures and, with dynamic sampling, uniform ones. None if the generator is stopping."""
         t0 = time.perf_counter()
-        kept, spare, rounds, generated, episodes, cancelled, failed_groups = [], [], 0, [], [], 0, 0
         self.close_failures = 0
-        while len(kept) < self.prompts_per_step and rounds < MAX_SAMPLING_ROUNDS:
-            need = self.prompts_per_step - len(kept)
-            draw = math.ceil(need * (1 + self.oversample)) if self.dynamic_sampling else need
-            examples = self.stream.next(draw)
-            rounds += 1
-            groups = self._generate_groups(examples, episodes, seed=self.seed * 1_000_003 + self.next_batch * 101 + rounds,
-                                           need=need if self.dynamic_sampling else None)
-            if groups is None:
-                return None
-            for g in groups:
-                if g is None:  # half or more of its trajectories failed
-                    failed_groups += 1
-                    continue
-                generated += g
-                (spare if self.dynamic_sampling and not grpo.informative([s.reward for s in g]) else kept).append(g)
-            cancelled += len(examples) - len(groups)
-            if sum(ep.failure is not None for ep in episodes) > self.max_failures * len(episodes):
-                break  # too many failed already (an env that is down): stop now (report_failures), not after more rounds
-        failures = [ep for ep in episodes if ep.failure is not None]  # data: warnings, tracebacks, a stop if too many
-        env.report_failures(failures, len(episodes), self.next_batch, self.max_failures, self.run_dir, self.rank,
+        r = self._rounds()
+        if r is None:
+            return None
+        failures = [ep for ep in r.episodes if ep.failure is not None]  # data: warnings, tracebacks, a stop if too many
+        env.report_failures(failures, len(r.episodes), self.next_batch, self.max_failures, self.run_dir, self.rank,
                             self.seen_failures, MAX_WARNINGS)
-        surplus = kept[self.prompts_per_step:]  # an engine that cannot stream finishes every over-sampled prompt
-        kept = kept[:self.prompts_per_step]
-        top_up = spare[:self.prompts_per_step - len(kept)]  # too few informative groups: uniform ones fill in
-        dropped, kept = len(spare) - len(top_up) + len(surplus), kept + top_up
+        surplus = r.kept[self.prompts_per_step:]  # an engine that cannot stream finishes every over-sampled prompt
+        kept = r.kept[:self.prompts_per_step]
+        top_up = r.spare[:self.prompts_per_step - len(kept)]  # too few informative groups: uniform ones fill in
+        dropped, kept = len(r.spare) - len(top_up) + len(surplus), kept + top_up
         samples = []
         for gi, g in enumerate(kept):
             for s in g:
                 s.group = gi
                 samples.append(s)
-        secs = time.perf_counter() - t0
-        n_tok = sum(len(s.response_ids) for s in generated)
-        played = [ep for ep in episodes if ep.failure is None]
+        metrics = self._metrics(r, samples, failures, dropped, time.perf_counter() - t0)
+        if self.teacher is not None:  # on-policy distillation: the teacher's logprob of every model token of the batch
+            metrics["perf/teacher_s"] = self.teacher.score(samples)
+        if self.dump_fraction > 0 and self.run_dir is not None:
+            self._dump(r.episodes)
+        return RolloutBatch(samples, self.next_batch, self.stream.state_dict(), metrics)
+
+    def _rounds(self):
+        """Draw prompts and play them, round after round, until prompts_per_step groups are kept (one round unless
+        groups fail or dynamic sampling sets uniform ones aside as spare) or MAX_SAMPLING_ROUNDS have run. Returns a
+        Rounds (None if the generator is stopping)."""
+        r = Rounds()
+        while len(r.kept) < self.prompts_per_step and r.rounds < MAX_SAMPLING_ROUNDS:
+            need = self.prompts_per_step - len(r.kept)
+            draw = math.ceil(need * (1 + self.oversample)) if self.dynamic_sampling else need
+            examples = self.stream.next(draw)
+            r.rounds += 1
+            groups = self._generate_groups(examples, r.episodes, seed=self.seed * 1_000_003 + self.next_batch * 101 + r.rounds,
+                                           need=need if self.dynamic_sampling else None)
+            if groups is None:
+                return None
+            for g in groups:
+                if g is None:  # half or more of its trajectories failed
+                    r.failed_groups += 1
+                    continue
+                r.generated += g
+                (r.spare if self.dynamic_sampling and not grpo.informative([s.reward for s in g]) else r.kept).append(g)
+            r.cancelled += len(examples) - len(groups)
+            if sum(ep.failure is not None for ep in r.episodes) > self.max_failures * len(r.episodes):
+                break  # too many failed already (an env that is down): stop now (report_failures), not after more rounds
+        return r
+
+    def _metrics(self, r, samples, failures, dropped, secs):
+        """rollout/*: the batch's rewards, lengths and rounds; its trajectories' env side (one turn and no tool calls
+        without data.env); failures."""
+        generated, n_tok = r.generated, sum(len(s.response_ids) for s in r.generated)
+        played = [ep for ep in r.episodes if ep.failure is None]
 
         def mean(f):  # over the trajectories played to their end
             return sum(map(f, played)) / max(1, len(played))
@@ -393,23 +428,18 @@ class Generator:
             "rollout/reward_trained": sum(s.reward for s in samples) / max(1, len(samples)),
             "rollout/response_len": n_tok / max(1, len(generated)),
             "rollout/truncated": sum(s.finish_reason == "length" for s in generated) / max(1, len(generated)),
-            "rollout/groups_dropped": dropped, "rollout/rounds": rounds, "rollout/prompts_cancelled": cancelled,
+            "rollout/groups_dropped": dropped, "rollout/rounds": r.rounds, "rollout/prompts_cancelled": r.cancelled,
             "rollout/gen_s": secs, "rollout/gen_tokens_per_s": n_tok / max(secs, 1e-9),
-            # the trajectories' env side (one turn and no tool calls without data.env)
             "rollout/turns": mean(lambda ep: ep.turns), "rollout/tool_calls": mean(lambda ep: ep.tool_calls),
             "rollout/tool_call_rate": mean(lambda ep: ep.tool_calls > 0), "rollout/void": mean(lambda ep: ep.finish == "void"),
             "rollout/model_tokens": mean(lambda ep: ep.model_tokens),
             "rollout/env_tokens": mean(lambda ep: len(ep.response) - ep.model_tokens),
-            "rollout/env_failures": len(failures), "rollout/groups_failed": failed_groups,
-            "perf/env_s": sum(ep.env_s for ep in episodes),
+            "rollout/env_failures": len(failures), "rollout/groups_failed": r.failed_groups,
+            "perf/env_s": sum(ep.env_s for ep in r.episodes),
         }
         if not issubclass(self.env_cls, SingleTurn):  # (the reward hook has no close: single-turn rows stay as is)
             metrics["rollout/env_close_failures"] = self.close_failures  # counted apart: they changed no trajectory
-        if self.teacher is not None:  # on-policy distillation: the teacher's logprob of every model token of the batch
-            metrics["perf/teacher_s"] = self.teacher.score(samples)
-        if self.dump_fraction > 0 and self.run_dir is not None:
-            self._dump(episodes)
-        return RolloutBatch(samples, self.next_batch, self.stream.state_dict(), metrics)
+        return metrics
 
     def _generate_groups(self, examples, episodes, seed, need=None):
         """n trajectories per prompt, played to their end (play: one graded turn each by default): a list of

@@ -154,7 +154,7 @@ def test_oversampling_keeps_the_first_informative_groups_in_prompt_order():
         seen[label] = seen.get(label, 0) + 1
         return float(label not in ("3", "5") and seen[label] % 2 == 0)
 
-    gen = make_generator(1, reward_fn=reward, dynamic=True)
+    gen = make_generator(0, reward_fn=reward, dynamic=True)  # (0: batch 1 grades nothing before the stop)
     gen.oversample = 1.0
     gen.stream.next(1)
     gen.stream.load_state_dict({**gen.stream.state_dict(), "position": gen.stream._order.index(2)})
@@ -195,7 +195,8 @@ def test_oversampling_without_streaming_counts_the_surplus_groups_as_dropped():
         return float(seen[example["label"]] % 2 == 0)
 
     tok = make_tiny_tokenizer()
-    gen = make_generator(1, reward_fn=reward, dynamic=True, engine=NoStream(TorchEngine(tiny_model_for(tok))))
+    # max_staleness 0: batch 1 cannot start (and grade prompts of its own) before the test stops the generator
+    gen = make_generator(0, reward_fn=reward, dynamic=True, engine=NoStream(TorchEngine(tiny_model_for(tok))))
     gen.oversample = 1.0
     gen.start()
     try:
