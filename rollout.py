@@ -1,29 +1,30 @@
 """
-RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner trains,
-and eval on the same engine.
+RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner trains.
+This file's first part is all that one default RL step runs here; below "beyond one RL step" come eval, the
+supervised warm-up's rows, and what agents, failures and dynamic sampling add.
 
-One batch, the default way (single turn: data.env unset). Draw rollout.prompts_per_step prompts; sample
-rollout.n completions of each in one engine call (machinery/engine.py); grade each as it finishes with the
-reward hook,
+One batch, the default way (single turn: data.env unset). Draw this rank's share of rollout.prompts_per_step
+prompts; sample rollout.n completions of each in one engine call (machinery/engine.py); grade each as it
+finishes with the reward hook,
 
     reward = data.reward(response_text, example)       # default data.math_reward; any "module:function"
 
-on a worker thread with a deadline (rollout.env_timeout_s), so that a reward that raises, hangs or is not a
-finite number fails its trajectory, never the run; then hand the groups to the learner as a RolloutBatch.
-What one default RL step runs here: Generator.publish, open and get (the learner's side), and in the thread
-_run -> _make_batch (one round) -> _generate_groups -> play_single_turn, _sample, then _dump (a few
-trajectories to run_dir/rollouts/). The rest serves agents (data.env), failed trajectories and dynamic
-sampling's refills.
+(loaded and signature-checked at start-up by data.load_reward; response_text is the completion decoded without
+special tokens, example the prompt's whole JSONL object, every field kept, with "prompt" and "label"), on a
+worker thread with a deadline, rollout.env_timeout_s, that the generator waits for: a reward that raises, hangs
+or is not a finite number fails its trajectory, never the run. The groups go to the learner as a RolloutBatch.
+The calls, in order: the learner's publish, open and get; the thread's _run -> _make_batch -> _rounds (one round
+by default) -> _generate_groups -> play -> play_single_turn, then _sample for each trajectory.
 
     prompts --> [Generator thread] --n completions per prompt, graded--> groups --> RolloutBatch
                        ^                                                                  |
                        |  publish(weights, version)               queue (bounded)         v
                        +---------------------------------------------------------- learner
 
-Staleness, told once (other files say "at most max_staleness versions old" and point here). One name per
-counter:
+Staleness, told in full here (other files state the bound and point here). One name per counter:
     version      the learner's weight version: its RL steps done (a skipped step too); it trains batch i at
-                 step i, and publish(weights, version) gives the engine those weights (engine.version)
+                 step i (RolloutBatch.index == version, asserted), and publish(weights, version) gives the
+                 engine those weights (the engine's own version follows)
     opened       Generator.opened, the gate: the version of the learner's last open(), which it calls after
                  the step's publish, eval and checkpoint
     next_batch   Generator.next_batch, the batch the thread makes next
@@ -36,53 +37,17 @@ on batch i, one step off-policy:
     generator  | b0 (v0)| b1 (v0)                      | b2 (v1)                      | b3 (v2)  | ...
                           (publish v waits for batch v, which the learner's next step needs anyway)
 
-When do new weights reach the engine? By default between batches only: publish(v) waits until the thread
-has finished batch v + max_staleness - 1 (next_batch >= v + max_staleness), so batch i is sampled wholly by
-version max(0, i - max_staleness), two runs with one seed are identical and a resumed run continues exactly.
-With `partial_rollout` (as in slime and AReaL) they land at the next decode step of the batch in flight:
-generation continues under the new weights, keeping the KV cache computed under the old ones (or prefilling it
-again: rollout.update_mode), and each sample records the (oldest, newest) versions it spans, judged on its
-oldest; which token saw which version then depends on timing. The learner checks the same bound again per
-sample (grpo.fresh_mask in train.rl_step): a guard, which never fires while this gate holds; it is there so
-that a broken gate (an engine or generator of your own) shows up as staleness/dropped instead of as silent
-off-policy training.
-
-A response cut by the length limit (finish_reason "length") follows rollout.truncated: `keep` its
-graded reward, score it `zero`, or `mask` it (DAPO's overlong filtering): a masked sample is dropped
-from the loss (no gradient, in no denominator), but its reward still counts in its group's mean and std,
-so its siblings' advantages are those of the group as it was sampled.
-
-Failures are data: a trajectory whose reward hook (or env) raised or timed out is dropped; its group trains at
-its reduced size while more than half of it remains, else the whole group is dropped and a fresh prompt takes
-its place in a further round, as dynamic sampling refills (GLM-5 pads a group with repeated samples instead,
-which would count their gradients twice). Each failure is one warning line naming the hook, the example and
-the exception; the first traceback of each kind is saved in run_dir/env_failures/; more than
-rollout.max_failure_fraction of a batch failing stops the run with one line (checked after each round of
-prompts: a batch over it plays no further round). rollout.dump_fraction of each batch's trajectories go to
-run_dir/rollouts/ as JSON lines.
-
-Agents (data.env: "module:Class", the README's Lookup is an example): a trajectory is many turns, played by
-machinery/env.py's episode loop (env.run_episodes) instead of play_single_turn; the env's reward replaces
-data.reward. The contract, one instance per trajectory:
-
-        class MyEnv:
-            tools: list[dict] = []             # optional JSON schemas, passed to apply_chat_template(tools=...)
-            def __init__(self, example): ...   # one episode; the whole JSONL object, every field kept
-            def reset(self) -> list[dict]: ... # the opening chat messages: [{"role": "user", "content": ...}]
-            def step(self, text): ...          # after each model turn, its decoded text -> (messages to append,
-                                               #   reward, done) or (..., info): {"tool_calls", "void", "tool_io"};
-                                               #   reward a finite number, done a bool (numpy or torch scalars: their
-                                               #   value), info a dict or None: anything else fails the trajectory
-            def close(self): ...               # optional; called for every episode, finished, cut or cancelled (one
-                                               #   that raises or hangs changes no trajectory: rollout/env_close_failures)
-            @classmethod
-            def setup(cls, **env_args): ...    # optional; once per process, before the model loads (data.env_args)
-            @classmethod
-            def teardown(cls): ...             # optional; at exit
-    The reward is the one of the step that ends the trajectory. A tool's answer enters the trajectory as the
-    ids its messages add to the conversation (rendered once, never re-tokenized; machinery/env.py): context for
-    the next turn, never scored: Sample.spans marks the model's turns, the only tokens the learner scores. A
-    trajectory ended by a void turn (machinery/env.py) is masked like a cut one under `mask`.
+When do new weights reach the engine? By default between batches only: publish(v) waits until the thread has
+finished batch v + max_staleness - 1 (next_batch >= v + max_staleness); the thread then waits at the gate for
+open(v), so no batch is in flight while engine.update_weights copies the new tensors in place. Batch i is thus
+sampled wholly by version max(0, i - max_staleness), two runs with one seed are identical and a resumed run
+continues exactly. With `partial_rollout` (as in slime and AReaL) they land at the next decode step of the batch
+in flight: generation continues under the new weights, keeping the KV cache computed under the old ones (or
+prefilling it again: rollout.update_mode), and each sample records the (oldest, newest) versions it spans,
+judged on its oldest; which token saw which version then depends on timing. The learner checks the same bound
+again per sample (grpo.fresh_mask in train.rl_step): a guard, which never fires while this gate holds; it is
+there so that a broken gate (an engine or generator of your own) shows up as staleness/dropped instead of as
+silent off-policy training.
 """
 import contextlib
 import json
@@ -106,78 +71,6 @@ from machinery.parallel import all_gather, rank, world
 # is topped up with such groups (zero advantage, so they add nothing to the gradient).
 MAX_SAMPLING_ROUNDS = 4
 MAX_WARNINGS = 5  # failed trajectories printed per batch (all are counted: rollout/env_failures)
-
-
-# ----------------------------------------------------------------------------- single turn: the reward call
-
-
-class SingleTurn:
-    """The reward hook as an env class: what stands for data.env when it is not set (single_turn binds
-    data.reward). play_single_turn calls its reward_fn; machinery/env.py's episode loop can play it too (one
-    turn, graded, done), which tests use to compare the two paths."""
-    tools: list = []
-    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
-    one_turn = True  # nothing follows the first turn: its KV is never parked
-    reward_fn = staticmethod(math_reward)
-
-    def __init__(self, example):
-        self.example = example
-
-    def reset(self):
-        return self.example["prompt"]  # a string or messages
-
-    def step(self, text):
-        return [], self.reward_fn(text, self.example), True
-
-
-def single_turn(reward_fn):
-    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
-    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
-
-
-def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, limits: env.Limits, seed, *,
-                     chat_template=True, stopping=lambda: False):
-    """The default path: every trajectory is its prompt and one sampled response. eps: Episodes (the trajectory
-    record, machinery/env.py) of the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
-    One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]), and each response is
-    graded as it finishes: hook.reward_fn(its text, the example) runs on a worker thread with a deadline
-    (limits.timeout_s, rollout.env_timeout_s), and a reward that raises, misses it or is not a finite number
-    fails the trajectory (Episode.failure) instead of the run (env.guarded). Yields (i, episode) as each ends."""
-    what = f"{hook.__name__}.step"
-    for ep in eps:
-        ep.prompt = render_prompt(tokenizer, ep.example["prompt"], chat_template)
-    budget = replace(sampling, max_new_tokens=min(limits.max_new_tokens, limits.max_total_tokens))
-    completions = env.generate(engine, [ep.prompt for ep in eps], [budget] * len(eps), seed, stopping)
-    try:
-        with contextlib.closing(completions):  # closed early (dynamic sampling has enough, a stop): the rest cancelled
-            for i, c in completions:  # c: an engine Completion, its token_ids and their logprobs as sampled
-                ep = eps[i]
-                ep.response, ep.logprobs, ep.routes = list(c.token_ids), list(c.logprobs), c.routes
-                ep.spans, ep.versions, ep.turns = [(0, len(c.token_ids))], list(c.versions), 1
-                text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                graded, reward = env.guarded([(ep, what, _reward, (hook.reward_fn, text, ep.example))], limits.timeout_s)[0]
-                if graded:
-                    ep.reward, ep.finish = reward, "length" if c.finish_reason == "length" else "stop"
-                yield i, ep
-    finally:
-        for ep in eps:
-            ep.finish = ep.finish or "cancelled"
-
-
-def _reward(fn, text, example):
-    return env.reward_value(fn(text, example))  # a float, or ValueError: not a finite number
-
-
-def play(engine, eps, env_cls, tokenizer, sampling, limits, seed, *, chat_template=True, stopping=lambda: False,
-         each=False):
-    """Play the episodes to their end, yielding (i, episode) as each one ends: one graded turn each without
-    data.env (play_single_turn), else the env's turns through machinery/env.py's episode loop (env.run_episodes;
-    each: the env answers each turn as it arrives on an engine without sessions)."""
-    if issubclass(env_cls, SingleTurn):
-        return play_single_turn(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
-                                stopping=stopping)
-    return env.run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
-                            stopping=stopping, each=each)
 
 
 # ----------------------------------------------------------------------------- the generator thread
@@ -237,9 +130,9 @@ class Rounds:
 class Generator:
     """Runs the generation loop in a background thread and hands RolloutBatches to the learner. The staleness
     gate compares the batch it makes next (next_batch) with the version of the learner's last open() (opened):
-    this file's docstring. Before start() the engine must hold the learner's weights (the first publish) and the
-    gate be open at that version; first_index is that version on resume, and `ready` the batches a checkpoint
-    kept (sampled before it was taken). Do not evaluate on the engine while stop() runs: it aborts in-flight
+    this file's docstring. Before start() the engine must hold the learner's weights (the first publish); the gate
+    starts open at first_index, the learner's version (on resume: the checkpoint's), and `ready` holds the batches
+    a checkpoint kept (sampled before it was taken). Do not evaluate on the engine while stop() runs: it aborts in-flight
     work. With max_staleness 1 the learner loses nothing by publish() waiting for batch v: its next step needs
     exactly that batch."""
 
@@ -280,19 +173,12 @@ class Generator:
         self.started = time.perf_counter()
         self.thread.start()
 
-    def stop(self):
-        self.stopping.set()
-        self.engine.abort()
-        with self.gate:
-            self.gate.notify_all()
-        if self.thread.is_alive():
-            self.thread.join()
-        self.engine.resume()
-
     def publish(self, named_tensors, version: int):
         """Called by the learner after each optimizer step: the new weights reach the engine. By default they land
         between batches: first wait until the batches that older weights must sample are done (next_batch reaches
-        version + max_staleness; this file's docstring). With partial_rollout, at once."""
+        version + max_staleness; this file's docstring), after which the thread waits at the gate for open(version):
+        no batch is in flight while engine.update_weights copies each tensor into its model, in place. With
+        partial_rollout, at once (the engine takes them between two decode steps)."""
         with self.gate:
             until = version + self.max_staleness if self.end is None else min(version + self.max_staleness, self.end)
             while not (self.partial_rollout or self.next_batch >= until or self.stopping.is_set()
@@ -324,15 +210,6 @@ class Generator:
                     raise TimeoutError("no rollout batch arrived in time") from None
                 if not self.thread.is_alive() and self.error is None:
                     raise RuntimeError("the generator thread has stopped")
-
-    def pending(self, version: int) -> list:
-        """The finished batches the learner has not taken yet, from batch `version` on (they go into a
-        checkpoint: sampled by older weights, they could not be sampled again after a resume)."""
-        with self.queue.mutex:
-            return [b for b in self.queue.queue if version <= b.index < version + self.max_staleness]
-
-    def idle_fraction(self) -> float:
-        return self.waited / max(1e-9, time.perf_counter() - self.started) if self.started else 0.0
 
     def _run(self):
         try:
@@ -414,33 +291,6 @@ class Generator:
                 break  # too many failed already (an env that is down): stop now (report_failures), not after more rounds
         return r
 
-    def _metrics(self, r, samples, failures, dropped, secs):
-        """rollout/*: the batch's rewards, lengths and rounds; its trajectories' env side (one turn and no tool calls
-        without data.env); failures."""
-        generated, n_tok = r.generated, sum(len(s.response_ids) for s in r.generated)
-        played = [ep for ep in r.episodes if ep.failure is None]
-
-        def mean(f):  # over the trajectories played to their end
-            return sum(map(f, played)) / max(1, len(played))
-
-        metrics = {
-            "rollout/reward": sum(s.reward for s in generated) / max(1, len(generated)),
-            "rollout/reward_trained": sum(s.reward for s in samples) / max(1, len(samples)),
-            "rollout/response_len": n_tok / max(1, len(generated)),
-            "rollout/truncated": sum(s.finish_reason == "length" for s in generated) / max(1, len(generated)),
-            "rollout/groups_dropped": dropped, "rollout/rounds": r.rounds, "rollout/prompts_cancelled": r.cancelled,
-            "rollout/gen_s": secs, "rollout/gen_tokens_per_s": n_tok / max(secs, 1e-9),
-            "rollout/turns": mean(lambda ep: ep.turns), "rollout/tool_calls": mean(lambda ep: ep.tool_calls),
-            "rollout/tool_call_rate": mean(lambda ep: ep.tool_calls > 0), "rollout/void": mean(lambda ep: ep.finish == "void"),
-            "rollout/model_tokens": mean(lambda ep: ep.model_tokens),
-            "rollout/env_tokens": mean(lambda ep: len(ep.response) - ep.model_tokens),
-            "rollout/env_failures": len(failures), "rollout/groups_failed": r.failed_groups,
-            "perf/env_s": sum(ep.env_s for ep in r.episodes),
-        }
-        if not issubclass(self.env_cls, SingleTurn):  # (the reward hook has no close: single-turn rows stay as is)
-            metrics["rollout/env_close_failures"] = self.close_failures  # counted apart: they changed no trajectory
-        return metrics
-
     def _generate_groups(self, examples, episodes, seed, need=None):
         """n trajectories per prompt, played to their end (play: one graded turn each by default): a list of
         groups (lists of Samples) in prompt order, None for a group that lost half of its trajectories or more to
@@ -476,14 +326,61 @@ class Generator:
         return done
 
     def _sample(self, ep: Episode, group):
-        """The Sample of a trajectory; a cut one follows rollout.truncated, a void one is masked (this file's
-        docstring)."""
+        """The Sample of a trajectory; a cut one follows rollout.truncated, a void one is masked ("beyond one RL
+        step", below)."""
         cut = ep.finish == "length"
         reward = 0.0 if cut and self.truncated == "zero" else ep.reward
         spans = None if ep.spans == [(0, len(ep.response))] else list(ep.spans)  # None: every token the model's
         return Sample(ep.prompt, ep.response, ep.logprobs, reward, group, tuple(ep.versions), ep.finish, ep.example,
                       masked=(cut and self.truncated == "mask") or ep.finish == "void", spans=spans, turns=ep.turns,
                       routes=ep.routes)
+
+    # ------------------------------------------------------------------------- the rest of the thread's life
+
+    def stop(self):
+        self.stopping.set()
+        self.engine.abort()
+        with self.gate:
+            self.gate.notify_all()
+        if self.thread.is_alive():
+            self.thread.join()
+        self.engine.resume()
+
+    def pending(self, version: int) -> list:
+        """The finished batches the learner has not taken yet, from batch `version` on (they go into a
+        checkpoint: sampled by older weights, they could not be sampled again after a resume)."""
+        with self.queue.mutex:
+            return [b for b in self.queue.queue if version <= b.index < version + self.max_staleness]
+
+    def idle_fraction(self) -> float:
+        return self.waited / max(1e-9, time.perf_counter() - self.started) if self.started else 0.0
+
+    def _metrics(self, r, samples, failures, dropped, secs):
+        """rollout/*: the batch's rewards, lengths and rounds; its trajectories' env side (one turn and no tool calls
+        without data.env); failures."""
+        generated, n_tok = r.generated, sum(len(s.response_ids) for s in r.generated)
+        played = [ep for ep in r.episodes if ep.failure is None]
+
+        def mean(f):  # over the trajectories played to their end
+            return sum(map(f, played)) / max(1, len(played))
+
+        metrics = {
+            "rollout/reward": sum(s.reward for s in generated) / max(1, len(generated)),
+            "rollout/reward_trained": sum(s.reward for s in samples) / max(1, len(samples)),
+            "rollout/response_len": n_tok / max(1, len(generated)),
+            "rollout/truncated": sum(s.finish_reason == "length" for s in generated) / max(1, len(generated)),
+            "rollout/groups_dropped": dropped, "rollout/rounds": r.rounds, "rollout/prompts_cancelled": r.cancelled,
+            "rollout/gen_s": secs, "rollout/gen_tokens_per_s": n_tok / max(secs, 1e-9),
+            "rollout/turns": mean(lambda ep: ep.turns), "rollout/tool_calls": mean(lambda ep: ep.tool_calls),
+            "rollout/tool_call_rate": mean(lambda ep: ep.tool_calls > 0), "rollout/void": mean(lambda ep: ep.finish == "void"),
+            "rollout/model_tokens": mean(lambda ep: ep.model_tokens),
+            "rollout/env_tokens": mean(lambda ep: len(ep.response) - ep.model_tokens),
+            "rollout/env_failures": len(failures), "rollout/groups_failed": r.failed_groups,
+            "perf/env_s": sum(ep.env_s for ep in r.episodes),
+        }
+        if not issubclass(self.env_cls, SingleTurn):  # (the reward hook has no close: single-turn rows stay as is)
+            metrics["rollout/env_close_failures"] = self.close_failures  # counted apart: they changed no trajectory
+        return metrics
 
     def _dump(self, episodes):
         """A sampled fraction of the batch's trajectories (the same ones on a rerun: the draws are seeded by the
@@ -497,6 +394,120 @@ class Generator:
             for ep in picked:
                 f.write(json.dumps(dump_record(ep, self.tokenizer)) + "\n")
         os.replace(path + ".tmp", path)
+
+
+# ----------------------------------------------------------------------------- one turn, graded: the default trajectory
+
+
+def play(engine, eps, env_cls, tokenizer, sampling, limits, seed, *, chat_template=True, stopping=lambda: False,
+         each=False):
+    """Play the episodes to their end, yielding (i, episode) as each one ends: one graded turn each without
+    data.env (play_single_turn), else the env's turns through machinery/env.py's episode loop (env.run_episodes;
+    each: the env answers each turn as it arrives on an engine without sessions)."""
+    if issubclass(env_cls, SingleTurn):
+        return play_single_turn(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
+                                stopping=stopping)
+    return env.run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
+                            stopping=stopping, each=each)
+
+
+def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, limits: env.Limits, seed, *,
+                     chat_template=True, stopping=lambda: False):
+    """The default path: every trajectory is its prompt and one sampled response. eps: Episodes (the trajectory
+    record, machinery/env.py) of the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
+    One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]; an aborted one again
+    with seed + 7: env.generate), and each response is
+    graded as it finishes: hook.reward_fn(its text, the example) runs on a worker thread with a deadline
+    (limits.timeout_s, rollout.env_timeout_s), and a reward that raises, misses it or is not a finite number
+    fails the trajectory (Episode.failure) instead of the run (env.guarded). Yields (i, episode) as each ends."""
+    what = f"{hook.__name__}.step"
+    for ep in eps:
+        ep.prompt = render_prompt(tokenizer, ep.example["prompt"], chat_template)
+    budget = replace(sampling, max_new_tokens=min(limits.max_new_tokens, limits.max_total_tokens))
+    completions = env.generate(engine, [ep.prompt for ep in eps], [budget] * len(eps), seed, stopping)
+    try:
+        with contextlib.closing(completions):  # closed early (dynamic sampling has enough, a stop): the rest cancelled
+            for i, c in completions:  # c: an engine Completion, its token_ids and their logprobs as sampled
+                ep = eps[i]
+                ep.response, ep.logprobs, ep.routes = list(c.token_ids), list(c.logprobs), c.routes
+                ep.spans, ep.versions, ep.turns = [(0, len(c.token_ids))], list(c.versions), 1
+                text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                graded, reward = env.guarded([(ep, what, _reward, (hook.reward_fn, text, ep.example))], limits.timeout_s)[0]
+                if graded:
+                    ep.reward, ep.finish = reward, "length" if c.finish_reason == "length" else "stop"
+                yield i, ep
+    finally:
+        for ep in eps:
+            ep.finish = ep.finish or "cancelled"
+
+
+def _reward(fn, text, example):
+    return env.reward_value(fn(text, example))  # a float, or ValueError: not a finite number
+
+
+def single_turn(reward_fn):
+    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
+    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
+
+
+class SingleTurn:
+    """The reward hook as an env class: what stands for data.env when it is not set (single_turn binds
+    data.reward). play_single_turn calls its reward_fn; machinery/env.py's episode loop can play it too (one
+    turn, graded, done), which tests use to compare the two paths."""
+    tools: list = []
+    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
+    one_turn = True  # nothing follows the first turn: its KV is never parked
+    reward_fn = staticmethod(math_reward)
+
+    def __init__(self, example):
+        self.example = example
+
+    def reset(self):
+        return self.example["prompt"]  # a string or messages
+
+    def step(self, text):
+        return [], self.reward_fn(text, self.example), True
+
+
+# ============================================================================= beyond one RL step
+#
+# A response cut by the length limit (finish_reason "length") follows rollout.truncated: `keep` its
+# graded reward, score it `zero`, or `mask` it (DAPO's overlong filtering): a masked sample is dropped
+# from the loss (no gradient, in no denominator), but its reward still counts in its group's mean and std,
+# so its siblings' advantages are those of the group as it was sampled.
+#
+# Failures are data: a trajectory whose reward hook (or env) raised or timed out is dropped; its group trains at
+# its reduced size while more than half of it remains, else the whole group is dropped and a fresh prompt takes
+# its place in a further round (at most MAX_SAMPLING_ROUNDS in all: then the batch trains short), as dynamic
+# sampling refills (GLM-5 pads a group with repeated samples instead,
+# which would count their gradients twice). Each failure is one warning line naming the hook, the example and
+# the exception; the first traceback of each kind is saved in run_dir/env_failures/; more than
+# rollout.max_failure_fraction of a batch failing stops the run with one line (checked after each round of
+# prompts: a batch over it plays no further round). rollout.dump_fraction of each batch's trajectories go to
+# run_dir/rollouts/ as JSON lines.
+#
+# Agents (data.env: "module:Class", the README's Lookup is an example): a trajectory is many turns, played by
+# machinery/env.py's episode loop (env.run_episodes) instead of play_single_turn; the env's reward replaces
+# data.reward. The contract, one instance per trajectory:
+#
+#         class MyEnv:
+#             tools: list[dict] = []             # optional JSON schemas, passed to apply_chat_template(tools=...)
+#             def __init__(self, example): ...   # one episode; the whole JSONL object, every field kept
+#             def reset(self) -> list[dict]: ... # the opening chat messages: [{"role": "user", "content": ...}]
+#             def step(self, text): ...          # after each model turn, its decoded text -> (messages to append,
+#                                                #   reward, done) or (..., info): {"tool_calls", "void", "tool_io"};
+#                                                #   reward a finite number, done a bool (numpy or torch scalars: their
+#                                                #   value), info a dict or None: anything else fails the trajectory
+#             def close(self): ...               # optional; called for every episode, finished, cut or cancelled (one
+#                                                #   that raises or hangs changes no trajectory: rollout/env_close_failures)
+#             @classmethod
+#             def setup(cls, **env_args): ...    # optional; once per process, before the model loads (data.env_args)
+#             @classmethod
+#             def teardown(cls): ...             # optional; at exit
+#     The reward is the one of the step that ends the trajectory. A tool's answer enters the trajectory as the
+#     ids its messages add to the conversation (rendered once, never re-tokenized; machinery/env.py): context for
+#     the next turn, never scored: Sample.spans marks the model's turns, the only tokens the learner scores. A
+#     trajectory ended by a void turn (machinery/env.py) is masked like a cut one under `mask`.
 
 
 def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, limits: env.Limits, env_cls,

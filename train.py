@@ -4,7 +4,8 @@ loop. rollout.py makes the batches; machinery/ holds the plumbing, reached throu
 (config, data, weights, engine), parallel (ranks, FSDP2/DDP, micro-batches, the optimizer step, the weights a
 publish sends), checkpoint (saves, resume, the KL reference), variants (what rl_step adds when a variant is on:
 the KL reference's log-probs, distillation's advantages, routing replay's diagnostics, a dummy micro-batch),
-colocate (one GPU for both halves), lora and teacher (on-policy distillation's frozen teacher).
+colocate (one GPU for both halves), lora (low-rank adapters) and teacher (on-policy distillation's frozen
+teacher). On the default run (one process, no LoRA, no teacher) their calls are no-ops that return at once.
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
@@ -228,31 +229,33 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     teacher_logp = (torch.tensor([x for s in samples for x in s.teacher_logprobs], device=device)  # [N]: distillation
                     if cfg.distill.teacher else None)
 
-    # Micro-batch losses are partial sums over one global denominator (all ranks' micro-batches), so
-    # gradients add up to the gradient of the whole batch's loss. pi_prox, the policy at the step's start,
-    # is the training forward itself (policy_loss detaches it): one optimizer step per batch.
+    # Micro-batch losses are partial sums over one global denominator (all ranks' micro-batches: loss_scale, a
+    # count of sequences or tokens by grpo.agg), so gradients add up to the gradient of the whole batch's loss.
+    # pi_prox, the policy at the step's start, is the training forward itself (policy_loss detaches it): one
+    # optimizer step per batch.
     loss_scale = global_sum(sum(float(grpo.loss_denominator(mb.mask, g.agg)) for _, mb in parts if mb))[0]
     optimizer.zero_grad(set_to_none=True)
     sums, n_tokens, gap_sum, gap_max = {}, 0, torch.zeros((), device=device), torch.zeros((), device=device)
     entropy = "grad" if g.entropy_coef else "metric"
     replay = cfg.model.routing_replay == "rollout"  # MoE: the learner takes the experts the generator took
+    temperature = cfg.rollout.temperature  # the learner's log-probs are of the distribution the generator sampled
     for k, mb in parts:
-        last, T = k == len(parts) - 1, cfg.rollout.temperature
+        last = k == len(parts) - 1
         routing = mb.routing(replay) if mb else None  # None for a dense model
-        with autocast(device):
-            logp, ent, _ = packed_forward(model, mb.rows if mb else dummy_rows(model), T, entropy=entropy,
+        with autocast(device):  # bf16 autocast on a GPU (fp32 master weights); off on a CPU
+            logp, ent, _ = packed_forward(model, mb.rows if mb else dummy_rows(model), temperature, entropy=entropy,
                                           routing=routing)  # [N_mb] log pi_theta (= pi_prox in value)
             if mb is None:
-                variants.dummy_micro_batch(model, logp, last, k == 0, packed_forward, T)
+                variants.dummy_micro_batch(model, logp, last, k == 0, packed_forward, temperature)
                 continue
             a = variants.distill(adv[mb.samples].to(device), mb, logp, teacher_logp, cfg.distill, sums)  # [B] or [B, T]
             loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), a, mb.mask, g,
                                        ref_logp=None if ref_logp is None else mb.pad(ref_logp[mb.tokens]),
                                        entropy=mb.pad(ent), loss_scale=loss_scale)
-        learner_backward(model, loss, last)
+        learner_backward(model, loss, last)  # (loss * world()).backward(): DDP/FSDP average ranks' gradients
         gap = (logp.detach() - gen_logp[mb.tokens]).abs()  # learner vs generator, per token
         gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
-        sums |= variants.routing_metrics(model, mb, routing, gap, gen_logp, T, sums, k == 0, packed_forward)  # MoE
+        sums |= variants.routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, k == 0, packed_forward)
         n = len(mb.tokens)  # pg_loss adds up over micro-batches; the other metrics are token means
         for name, v in m.items():
             sums[name] = sums.get(name, 0.0) + (v if name == "pg_loss" else v * n)
@@ -273,6 +276,8 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
 
     def lr():  # the KL guard brakes the lr while the policy drifts too fast from the reference
         return lr_at(cfg, lora.rl_lr(cfg), version) * variants.kl_guard_scale(guard, metrics, ref_model is not None)
+    # optimizer_step: clip the gradient to grad_clip and step AdamW at lr(), or, if the loss or the gradient norm
+    # is not finite, drop the gradients and change nothing; returns train/grad_norm, train/lr and train/skipped
     return metrics | optimizer_step(optimizer, model, metrics["train/loss"], cfg.optim.grad_clip, lr)
 
 
@@ -308,7 +313,6 @@ def train_rl(run: startup.Run, ref_model):
     layout.to_generator()
     if version == 0:
         run.log.write("rl", 0, run_eval(cfg, engine, run.tokenizer, run.sets, sampling.stop_token_ids, run.env_cls))
-    gen.open(version)  # the staleness gate: batches up to version + max_staleness may start
     bar, m, acc = tqdm(total=t.rl_steps, initial=version, desc="rl", dynamic_ncols=True, disable=rank() != 0), {}, None
     gen.start()
     try:
@@ -323,7 +327,9 @@ def train_rl(run: startup.Run, ref_model):
             skips.update("rl", version, m)
             t1 = time.perf_counter()
             # Every step publishes, a skipped one too (its weights are unchanged, but co-located they were released).
-            # FSDP gathers tensor by tensor, so one full tensor exists at a time; the engine copies it in place.
+            # full_weights yields (name, tensor) in the generator's dtype (FSDP: gathered tensor by tensor, so one
+            # full tensor exists at a time); publish waits for the batches older weights must sample, then the
+            # engine copies each tensor in place (Generator.publish).
             gen.publish(full_weights(learner, gen_dtype, cfg.rollout.quantization), version)
             layout.to_generator()
             step_s = time.perf_counter() - t0

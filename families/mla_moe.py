@@ -24,8 +24,9 @@ with Multi-head Latent Attention (MLA, DeepSeek-V2) and, after the first dense l
     LayerNorm(wk(x)), its head weights weights_proj(x); `indexer_types` full / shared is DSA's IndexCache
     pattern F / S. Selection, sparse attention and the indexer losses are dsa.py's, as for GLM-4 + DSA.
 
-Routing replay (RL): the generator records which experts each token took (`Routing.record`), the learner's
-forward replays them (`Routing.replay`), so that a tiny numeric difference between the two cannot send a
+Routing replay (RL): the generator records which experts each token took (MoE.routed writes them beside the
+token's KV slot, in PagedKVCache.routes; the engine reads them out with each finished row as Completion.routes),
+the learner's forward replays them (a Routing with apply=True, built by parallel.MicroBatch.routing), so that a tiny numeric difference between the two cannot send a
 token to other experts, which would make the importance ratio of that token meaningless.
 """
 from dataclasses import asdict, dataclass, field, replace

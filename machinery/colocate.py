@@ -8,12 +8,12 @@ It is synchronous RL: the learner trains batch i with the weights that sampled i
 so a co-located run gives the same metrics and weights as the split layout with max_staleness 0 (tested).
 What it adds is the handoff, this file: each half's memory leaves the GPU while the other half runs.
 
-    generate batch i        learner state on the host;     engine: its weights + a KV pool
+    generate batch i        learner state on the host (offload);  engine: its weights + a KV pool
       | to_learner()          KV pool and CUDA graphs freed, the engine's unshared weights released;
-      v                       the learner's fp32 masters and AdamW state copied back
+      v                       (offload) the learner's fp32 masters and AdamW state copied back
     train on batch i        RL step; gradients freed after it, not kept
       | publish               the new weights fill the released ones (the engine's update_weights)
-      | to_generator()        the learner's masters and AdamW state copied to pinned host memory, freed here
+      | to_generator()        gradients freed; (offload) the masters and AdamW state copied to pinned host memory
       v
     generate batch i + 1    the engine makes a new pool (and captures new CUDA graphs) on its next call
 

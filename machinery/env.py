@@ -6,8 +6,8 @@ environment's messages alternating, as one list of token ids:
     [prompt: env.reset()] [model: calc(37*48) <|observation|>] [env: 1776 <|assistant|>] [model: \\boxed{1776} eos]
      context only          trained, exactly as sampled           context only             trained
 
-The contract an env class keeps (data.env: "module:Class") is told in rollout.py's docstring, beside the
-Generator that plays it. Without data.env none of this loop runs: rollout.play_single_turn samples one turn per
+The contract an env class keeps (data.env: "module:Class") is told in rollout.py ("beyond one RL step"), beside
+the Generator that plays it. Without data.env none of this loop runs: rollout.play_single_turn samples one turn per
 trajectory through `generate` below and grades it with `guarded`'s deadline (a test plays rollout.SingleTurn, the
 reward hook as a one-turn env, here too, and compares).
 
@@ -590,7 +590,8 @@ def generate(engine, prompts, per, seed, stopping):
     """One engine call for every prompt (one turn each; per: their SamplingParams): yield (index, Completion) as
     each finishes (an engine that streams, or drives a session) or all at the end (an engine with generate alone).
     Aborted completions (a stop, or SGLang's update without partial rollouts) are generated again until none is
-    left, unless the generator is stopping. Request i samples with request_seeds(seed, len(prompts))[i]."""
+    left, unless the generator is stopping. Request i samples with request_seeds(seed, len(prompts))[i]; the aborted
+    ones again in one more call, with request_seeds(seed + 7, how many are left)."""
     redo = []
     if hasattr(engine, "stream") or hasattr(engine, "session"):
         stream = (engine.stream(prompts, per, seed=seed) if hasattr(engine, "stream")

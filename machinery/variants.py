@@ -1,9 +1,10 @@
 """
-What train.rl_step adds to the objective when a variant is on, each entering the step through one named call, so
-that rl_step reads as the formula: the KL reference's log-probs (grpo.kl_coef, the KL guard), on-policy
-distillation's per-token advantages (distill.teacher), routing replay's diagnostics (an MoE model), and the dummy
-micro-batch a rank runs to keep in step with a busier one (several processes). With a variant off each call
-returns its input (or nothing) at once. The learner's forward, train.packed_forward, is handed in: the machinery
+What train.rl_step adds to the objective when a variant is on, each through calls named for it (a line each, not
+interleaved with the formula): the KL reference's log-probs (grpo.kl_coef: reference_logprobs) and the KL guard's
+lr scale (grpo.kl_guard: kl_guard_scale), on-policy distillation's per-token advantages (distill.teacher: distill),
+routing replay's diagnostics (an MoE model: routing_metrics per micro-batch, routing_ratios at the end), and the
+dummy micro-batch a rank runs to keep in step with a busier one (several processes: its rows parallel.dummy_rows,
+then dummy_micro_batch). With a variant off each call returns its input (or nothing) at once. The learner's forward, train.packed_forward, is handed in: the machinery
 never imports a chapter above it.
 """
 import torch
