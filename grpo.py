@@ -86,7 +86,8 @@ class GRPOConfig:
 
 
 def group_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
-    """[N] rewards -> [N] advantages; group g is rows g*G .. g*G+G-1 (contiguous).
+    """[N] rewards -> [N] advantages; group g is rows g*G .. g*G+G-1 (contiguous). train.rl_step calls it once per
+    group, with G its current size (a group may have lost stale or failed samples).
     std is torch.std's default (unbiased, N-1), as in slime and verl. A constant group gets 0."""
     r = torch.as_tensor(rewards).float()
     if r.ndim != 1 or group_size < 1 or r.numel() % group_size:
@@ -286,6 +287,10 @@ def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=Non
             metrics["entropy"] = token_mean(entropy)
     return loss, metrics
 
+
+# ============================================================================= beyond one default RL step
+# The default run builds a KL guard and checkpoints its state, which stays empty; the rest of this file serves
+# variants: the guard's brake, dynamic sampling's test and on-policy distillation's advantages.
 
 # -----------------------------------------------------------------------------
 # KL guard: a brake on the learning rate when the policy drifts from the reference too fast

@@ -9,12 +9,13 @@ finishes with the reward hook,
 
     reward = data.reward(response_text, example)       # default data.math_reward; any "module:function"
 
-(loaded and signature-checked at start-up by data.load_reward; response_text is the completion decoded without
+(data.reward is a config key naming the function, loaded and signature-checked at start-up by data.load_reward;
+response_text is the completion decoded without
 special tokens, example the prompt's whole JSONL object, every field kept, with "prompt" and "label"), on a
 worker thread with a deadline, rollout.env_timeout_s, that the generator waits for: a reward that raises, hangs
 or is not a finite number fails its trajectory, never the run. The groups go to the learner as a RolloutBatch.
-The calls, in order: the learner's publish, open and get; the thread's _run -> _make_batch -> _rounds (one round
-by default) -> _generate_groups -> play -> play_single_turn, then _sample for each trajectory.
+The calls: the learner's get (then, after its step, publish and open); the thread's _run -> _make_batch -> _rounds
+(one round by default) -> _generate_groups -> play -> play_single_turn, then _sample for each trajectory.
 
     prompts --> [Generator thread] --n completions per prompt, graded--> groups --> RolloutBatch
                        ^                                                                  |
@@ -106,8 +107,8 @@ class Sample:
 
 @dataclass
 class RolloutBatch:
-    samples: list[Sample]  # this rank's prompts_per_step / world groups, each contiguous; a group may have lost
-    # failed trajectories (fewer than n, more than n / 2 left)
+    samples: list[Sample]  # this rank's prompts_per_step / world groups (fewer only if failures outlast
+    # MAX_SAMPLING_ROUNDS), each contiguous; a group may have lost failed trajectories (fewer than n, more than n / 2 left)
     index: int  # batch number: the learner trains batch i at step i
     stream_state: dict  # PromptStream state after this batch's prompts were drawn (for resume)
     metrics: dict = field(default_factory=dict)
@@ -416,8 +417,8 @@ def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, lim
     """The default path: every trajectory is its prompt and one sampled response. eps: Episodes (the trajectory
     record, machinery/env.py) of the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
     One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]; an aborted one again
-    with seed + 7: env.generate), and each response is
-    graded as it finishes: hook.reward_fn(its text, the example) runs on a worker thread with a deadline
+    with seed + 7: env.generate), and the responses that finish together (one engine iteration) are graded at once,
+    each hook.reward_fn(its text, the example) on a worker thread of its own with a deadline
     (limits.timeout_s, rollout.env_timeout_s), and a reward that raises, misses it or is not a finite number
     fails the trajectory (Episode.failure) instead of the run (env.guarded). Yields (i, episode) as each ends."""
     what = f"{hook.__name__}.step"
@@ -427,15 +428,18 @@ def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, lim
     completions = env.generate(engine, [ep.prompt for ep in eps], [budget] * len(eps), seed, stopping)
     try:
         with contextlib.closing(completions):  # closed early (dynamic sampling has enough, a stop): the rest cancelled
-            for i, c in completions:  # c: an engine Completion, its token_ids and their logprobs as sampled
-                ep = eps[i]
-                ep.response, ep.logprobs, ep.routes = list(c.token_ids), list(c.logprobs), c.routes
-                ep.spans, ep.versions, ep.turns = [(0, len(c.token_ids))], list(c.versions), 1
-                text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                graded, reward = env.guarded([(ep, what, _reward, (hook.reward_fn, text, ep.example))], limits.timeout_s)[0]
-                if graded:
-                    ep.reward, ep.finish = reward, "length" if c.finish_reason == "length" else "stop"
-                yield i, ep
+            for part in completions:  # [(i, Completion: token_ids and their logprobs, as sampled)] of one iteration
+                calls = []  # their reward calls, run at once on the pool
+                for i, c in part:
+                    ep = eps[i]
+                    ep.response, ep.logprobs, ep.routes = list(c.token_ids), list(c.logprobs), c.routes
+                    ep.spans, ep.versions, ep.turns = [(0, len(c.token_ids))], list(c.versions), 1
+                    text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                    calls.append((ep, what, _reward, (hook.reward_fn, text, ep.example)))
+                for (i, c), (graded, reward) in zip(part, env.guarded(calls, limits.timeout_s)):  # all at once
+                    if graded:
+                        eps[i].reward, eps[i].finish = reward, "length" if c.finish_reason == "length" else "stop"
+                    yield i, eps[i]
     finally:
         for ep in eps:
             ep.finish = ep.finish or "cancelled"

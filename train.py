@@ -5,7 +5,8 @@ loop. rollout.py makes the batches; machinery/ holds the plumbing, reached throu
 publish sends), checkpoint (saves, resume, the KL reference), variants (what rl_step adds when a variant is on:
 the KL reference's log-probs, distillation's advantages, routing replay's diagnostics, a dummy micro-batch),
 colocate (one GPU for both halves), lora (low-rank adapters) and teacher (on-policy distillation's frozen
-teacher). On the default run (one process, no LoRA, no teacher) their calls are no-ops that return at once.
+teacher). On the default run (one process, no LoRA, no teacher) the calls of colocate, lora, teacher and variants
+are no-ops that return at once.
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
@@ -225,7 +226,8 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N]
     parts = packed_micro_batches(model, [s.row() for s in samples], cfg.optim.max_tokens_per_micro_batch, device,
                                  [s.routes for s in samples])
-    ref_logp = variants.reference_logprobs(ref_model, parts, packed_forward, cfg.rollout.temperature, gen_logp)  # [N]
+    ref_logp = variants.reference_logprobs(ref_model, parts, packed_forward, cfg.rollout.temperature, gen_logp)  # [N];
+    # None without a reference model (grpo.kl_coef 0, no KL guard: the default)
     teacher_logp = (torch.tensor([x for s in samples for x in s.teacher_logprobs], device=device)  # [N]: distillation
                     if cfg.distill.teacher else None)
 
@@ -248,14 +250,16 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
             if mb is None:
                 variants.dummy_micro_batch(model, logp, last, k == 0, packed_forward, temperature)
                 continue
-            a = variants.distill(adv[mb.samples].to(device), mb, logp, teacher_logp, cfg.distill, sums)  # [B] or [B, T]
+            a = variants.distill(adv[mb.samples].to(device), mb, logp, teacher_logp, cfg.distill, sums)  # [B] (as it
+            # is without a teacher), or with distill.teacher [B, T]
             loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), a, mb.mask, g,
                                        ref_logp=None if ref_logp is None else mb.pad(ref_logp[mb.tokens]),
                                        entropy=mb.pad(ent), loss_scale=loss_scale)
         learner_backward(model, loss, last)  # (loss * world()).backward(): DDP/FSDP average ranks' gradients
         gap = (logp.detach() - gen_logp[mb.tokens]).abs()  # learner vs generator, per token
         gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
-        sums |= variants.routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, k == 0, packed_forward)
+        sums |= variants.routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, k == 0,
+                                         packed_forward)  # MoE's routing/* sums ({} for a dense model)
         n = len(mb.tokens)  # pg_loss adds up over micro-batches; the other metrics are token means
         for name, v in m.items():
             sums[name] = sums.get(name, 0.0) + (v if name == "pg_loss" else v * n)
@@ -327,9 +331,10 @@ def train_rl(run: startup.Run, ref_model):
             skips.update("rl", version, m)
             t1 = time.perf_counter()
             # Every step publishes, a skipped one too (its weights are unchanged, but co-located they were released).
-            # full_weights yields (name, tensor) in the generator's dtype (FSDP: gathered tensor by tensor, so one
-            # full tensor exists at a time); publish waits for the batches older weights must sample, then the
-            # engine copies each tensor in place (Generator.publish).
+            # full_weights yields (name, tensor): the learner's own tensors in one process (DDP too), under FSDP each
+            # gathered in turn in the generator's dtype, so one full tensor exists at a time (fp8: quantized first);
+            # publish waits for the batches older weights must sample, then the engine copies each tensor into its
+            # model in place, in its own dtype (Generator.publish).
             gen.publish(full_weights(learner, gen_dtype, cfg.rollout.quantization), version)
             layout.to_generator()
             step_s = time.perf_counter() - t0

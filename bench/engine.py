@@ -257,8 +257,9 @@ def main():
         for name, t in secs.items():
             results[shape, name] = (t, tokens / t)
             print(f"{shape:8} {name:7} {t:7.2f} s  {tokens / t:8.0f} new tokens/s", flush=True)
-    rows = [f"| {shape} | {names[n]} | {results[shape, n][0]:.2f} | {results[shape, n][1]:.0f} | "
-            f"{results[shape, n][1] / results[shape, 'hf'][1]:.2f}x |" for shape in ("uniform", "rl") for n in engines]
+    vs_hf = lambda shape, n: f"{results[shape, n][1] / results[shape, 'hf'][1]:.2f}x" if "hf" in engines else "-"
+    rows = [f"| {shape} | {names[n]} | {results[shape, n][0]:.2f} | {results[shape, n][1]:.0f} | {vs_hf(shape, n)} |"
+            for shape in ("uniform", "rl") for n in engines]  # (--engines without hf: no ratio column to fill)
     flag = ("" if args.dtype == "float32" else f" --dtype {args.dtype}") + (" --compile" if args.compile else "")
     lines = [f"### Generation engine, continuous batching vs static batches vs transformers, {args.dtype} "
              f"({machine(torch.device('cpu'))})",

@@ -573,7 +573,7 @@ def _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, s
         calls = generate(engine, [episodes[i].prompt + episodes[i].response for i in live], per,
                           seed + turn * TURN_SEED, stopping)
         with contextlib.closing(calls):  # closed early: the engine's call is cancelled at once
-            for part in ((c,) for c in calls) if each else (list(calls),):
+            for part in calls if each else ([c for part in calls for c in part],):
                 if stopping():  # the batch is being thrown away: no more env calls for it
                     break
                 for j, c in part:
@@ -587,46 +587,52 @@ def _lockstep(engine, episodes, live, name, tokenizer, sampling, limits, seed, s
 
 
 def generate(engine, prompts, per, seed, stopping):
-    """One engine call for every prompt (one turn each; per: their SamplingParams): yield (index, Completion) as
-    each finishes (an engine that streams, or drives a session) or all at the end (an engine with generate alone).
+    """One engine call for every prompt (one turn each; per: their SamplingParams). Yields the completions that
+    finished together, as lists of (index, Completion): each engine iteration's (an engine with a session: TorchEngine,
+    SGLang), each one (an engine that only streams), or all of them at the end (an engine with generate alone).
     Aborted completions (a stop, or SGLang's update without partial rollouts) are generated again until none is
     left, unless the generator is stopping. Request i samples with request_seeds(seed, len(prompts))[i]; the aborted
     ones again in one more call, with request_seeds(seed + 7, how many are left)."""
-    redo = []
-    if hasattr(engine, "stream") or hasattr(engine, "session"):
-        stream = (engine.stream(prompts, per, seed=seed) if hasattr(engine, "stream")
-                  else _session_stream(engine, prompts, per, seed))
-        try:
-            for i, c in stream:
-                if c.finish_reason == "abort":
-                    redo.append(i)
-                else:
-                    yield i, c
-        finally:
-            stream.close()
+    if hasattr(engine, "session"):
+        parts = _session_parts(engine, prompts, per, seed)
+    elif hasattr(engine, "stream"):
+        parts = _one_by_one(engine.stream(prompts, per, seed=seed))
     else:
-        for i, c in enumerate(engine.generate(prompts, per, seed=seed)):
-            if c.finish_reason == "abort":
-                redo.append(i)
-            else:
-                yield i, c
+        parts = iter([list(enumerate(engine.generate(prompts, per, seed=seed)))])
+    redo = []
+    try:
+        for part in parts:
+            redo += [i for i, c in part if c.finish_reason == "abort"]
+            if done := [(i, c) for i, c in part if c.finish_reason != "abort"]:
+                yield done
+    finally:
+        if hasattr(parts, "close"):
+            parts.close()
     while redo and not stopping():
-        again, redo = redo, []
-        for i, c in zip(again, engine.generate([prompts[i] for i in again], [per[i] for i in again], seed=seed + 7)):
-            if c.finish_reason == "abort":
-                redo.append(i)
-            else:
-                yield i, c
+        again = list(zip(redo, engine.generate([prompts[i] for i in redo], [per[i] for i in redo], seed=seed + 7)))
+        redo = [i for i, c in again if c.finish_reason == "abort"]
+        if done := [(i, c) for i, c in again if c.finish_reason != "abort"]:
+            yield done
 
 
-def _session_stream(engine, prompts, per, seed):
-    """TorchEngine.stream's call on an engine that has a session but no stream (SGLang)."""
+def _session_parts(engine, prompts, per, seed):
+    """The requests of one call submitted to a session at once (as TorchEngine.stream does), and each iteration's
+    finished ones yielded together."""
     longest = max(len(p) + s.max_new_tokens for p, s in zip(prompts, per))
     with engine.session(per[0], longest, max(s.max_new_tokens for s in per)) as call:
         for p, s, sd in zip(prompts, per, request_seeds(seed, len(prompts))):
             call.submit(p, s.max_new_tokens, sd, park=False)
         while call.busy:
-            yield from call.step()
+            if done := call.step():
+                yield done
+
+
+def _one_by_one(stream):
+    try:
+        for item in stream:
+            yield [item]
+    finally:
+        stream.close()
 
 
 def report_failures(failures, total, batch, max_fraction, run_dir=None, rank=0, seen=None, max_warnings=5):

@@ -4,8 +4,9 @@ interleaved with the formula): the KL reference's log-probs (grpo.kl_coef: refer
 lr scale (grpo.kl_guard: kl_guard_scale), on-policy distillation's per-token advantages (distill.teacher: distill),
 routing replay's diagnostics (an MoE model: routing_metrics per micro-batch, routing_ratios at the end), and the
 dummy micro-batch a rank runs to keep in step with a busier one (several processes: its rows parallel.dummy_rows,
-then dummy_micro_batch). With a variant off each call returns its input (or nothing) at once. The learner's forward, train.packed_forward, is handed in: the machinery
-never imports a chapter above it.
+then dummy_micro_batch). With a variant off each call returns at once: its input (distill), None
+(reference_logprobs), 1.0 (kl_guard_scale) or {} (routing_metrics, routing_ratios). The learner's forward,
+train.packed_forward, is handed in: the machinery never imports a chapter above it.
 """
 import torch
 
