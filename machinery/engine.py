@@ -176,8 +176,7 @@ class TorchEngine:
         self.max_batch, self.kv_tokens, self.reprefill, self.use_graphs = max_batch, kv_tokens, reprefill, graphs
         self.graphs = None  # DecodeGraphs for the current pool, when graphs
         self.version = 0
-        # held for one forward or one weight update (re-entrant: with reprefill, an iteration's check of the weights'
-        # version and its forwards hold it together, _step)
+        # held for one forward or one weight update (re-entrant: with reprefill, _step holds it over its checks and forwards)
         self.lock = threading.RLock()
         self.call_lock = threading.Lock()  # held for a whole call: its requests own the pool
         self._abort = threading.Event()
@@ -198,10 +197,7 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], sampling, seed: int | None = None) -> list[Completion]:
         """One Completion per prompt, in order. sampling: a SamplingParams, or one per prompt (they may
         differ in max_new_tokens only)."""
-        out = [None] * len(prompts)
-        for i, c in self.stream(prompts, sampling, seed):
-            out[i] = c
-        return out
+        return [c for _, c in sorted(self.stream(prompts, sampling, seed), key=lambda ic: ic[0])]
 
     def stream(self, prompts: list[list[int]], sampling, seed: int | None = None):
         """Yield (index, Completion) as requests finish. Closing the iterator early cancels the rest."""
@@ -262,6 +258,10 @@ class TorchEngine:
     @property
     def busy(self) -> bool:
         return bool(self.landing) or (self.sched is not None and self.sched.busy)
+
+    @property
+    def parked(self):  # the running session's parked KV: key -> (ids its blocks hold the KV of, blocks), oldest first
+        return self.sched.parked if self.sched is not None else collections.OrderedDict()
 
     def end(self, key):
         """The trajectory is over: its parked KV goes back to the pool."""
