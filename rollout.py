@@ -145,7 +145,7 @@ class Generator:
         env_cls: data.env's class, or single_turn(data.reward); run_dir: where env failures' tracebacks and the
         rollout dump go; first_index: the learner's version (on resume: batches before it were trained), end: the
         batch number to stop at (train.rl_steps; None: run until stop()); ready: batches a checkpoint kept; rank and
-        world: this process's share (prompts_per_step / world groups, from examples r::world, the stream's); teacher:
+        world: this process's share (prompts_per_step / world groups; the caller's stream holds examples rank::world); teacher:
         on-policy distillation's machinery/teacher.Teacher, which scores each batch before the learner gets it."""
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
         self.prompts_per_step, self.n, self.sampling = r.prompts_per_step // world, r.n, sampling

@@ -5,8 +5,8 @@ loop. rollout.py makes the batches; machinery/ holds the plumbing, reached throu
 publish sends), checkpoint (saves, resume, the KL reference), variants (what rl_step adds when a variant is on:
 the KL reference's log-probs, distillation's advantages, routing replay's diagnostics, a dummy micro-batch),
 colocate (one GPU for both halves), lora (low-rank adapters) and teacher (on-policy distillation's frozen
-teacher). On the default run (one process, no LoRA, no teacher) the calls of colocate, lora, teacher and variants
-are no-ops that return at once.
+teacher). On the default run (one process, no LoRA, no teacher) the calls of colocate, teacher and variants are
+no-ops that return at once, and lora's only say what RL trains (every weight but the indexer) and at which lr.
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
@@ -99,9 +99,10 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
         return None, None, kl
     h, targets = hidden[0], ids[0, where + 1]  # [N, hidden], [N]: the token each kept position predicts
     logp, ent = [], []
-    recompute = torch.is_grad_enabled() and len(where) * net.cfg.vocab_size * 4 > LOGIT_KEEP_BYTES  # large logits:
-    chunk = functools.partial(checkpoint, _chunk_logprobs, use_reentrant=False) if recompute else _chunk_logprobs  # made
-    for c in range(0, len(where), LOGIT_CHUNK):  # again in backward (checkpoint), not kept
+    # Large logits are not kept for backward: each chunk's are made again there (activation checkpointing)
+    recompute = torch.is_grad_enabled() and len(where) * net.cfg.vocab_size * 4 > LOGIT_KEEP_BYTES
+    chunk = functools.partial(checkpoint, _chunk_logprobs, use_reentrant=False) if recompute else _chunk_logprobs
+    for c in range(0, len(where), LOGIT_CHUNK):
         lp, en = chunk(net.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature, entropy)
         logp.append(lp)
         ent.append(en)

@@ -31,7 +31,7 @@ blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the
              continue when prefilled again
 
 The engine knows nothing of rewards, groups or staleness: it samples, and records which weight versions
-produced each completion's tokens (rollout.py judges staleness from that).
+produced each completion's tokens (the learner's staleness guard, train.rl_step, judges from that).
 """
 import collections
 import contextlib
