@@ -74,7 +74,7 @@ MAX_SAMPLING_ROUNDS = 4
 MAX_WARNINGS = 5  # failed trajectories printed per batch (all are counted: rollout/env_failures)
 
 
-# ----------------------------------------------------------------------------- the generator thread
+# ----------------------------------------------------------------------------- the records: a sample, a batch
 
 @dataclass
 class Sample:
@@ -126,6 +126,86 @@ class Rounds:
     rounds: int = 0
     cancelled: int = 0
     failed_groups: int = 0
+
+
+# ----------------------------------------------------------------------------- one turn, graded: the default trajectory
+# (what the thread below plays for each prompt: Generator._generate_groups calls play)
+
+
+def play(engine, eps, env_cls, tokenizer, sampling, limits, seed, *, chat_template=True, stopping=lambda: False,
+         each=False):
+    """Play the episodes to their end, yielding (i, episode) as each one ends: one graded turn each without
+    data.env (play_single_turn), else the env's turns through machinery/env.py's episode loop (env.run_episodes;
+    each: the env answers each turn as it arrives on an engine without sessions)."""
+    if issubclass(env_cls, SingleTurn):
+        return play_single_turn(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
+                                stopping=stopping)
+    return env.run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
+                            stopping=stopping, each=each)
+
+
+def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, limits: env.Limits, seed, *,
+                     chat_template=True, stopping=lambda: False):
+    """The default path: every trajectory is its prompt and one sampled response. eps: Episodes (the trajectory
+    record, machinery/env.py) of the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
+    One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]; an aborted one again
+    with seed + 7: env.generate), and the responses that finish together (one engine iteration) are graded at once,
+    each hook.reward_fn(its text, the example) on a worker thread of its own with a deadline
+    (limits.timeout_s, rollout.env_timeout_s), and a reward that raises, misses it or is not a finite number
+    fails the trajectory (Episode.failure) instead of the run (env.guarded). Yields (i, episode) as each ends."""
+    what = f"{hook.__name__}.step"
+    for ep in eps:
+        ep.prompt = render_prompt(tokenizer, ep.example["prompt"], chat_template)
+    budget = replace(sampling, max_new_tokens=min(limits.max_new_tokens, limits.max_total_tokens))
+    completions = env.generate(engine, [ep.prompt for ep in eps], [budget] * len(eps), seed, stopping)
+    try:
+        with contextlib.closing(completions):  # closed early (dynamic sampling has enough, a stop): the rest cancelled
+            for part in completions:  # [(i, Completion: token_ids and their logprobs, as sampled)] of one iteration
+                calls = []  # their reward calls, run at once on the pool
+                for i, c in part:
+                    ep = eps[i]
+                    ep.response, ep.logprobs, ep.routes = list(c.token_ids), list(c.logprobs), c.routes
+                    ep.spans, ep.versions, ep.turns = [(0, len(c.token_ids))], list(c.versions), 1
+                    text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                    calls.append((ep, what, _reward, (hook.reward_fn, text, ep.example)))
+                for (i, c), (graded, reward) in zip(part, env.guarded(calls, limits.timeout_s)):  # all at once
+                    if graded:
+                        eps[i].reward, eps[i].finish = reward, "length" if c.finish_reason == "length" else "stop"
+                    yield i, eps[i]
+    finally:
+        for ep in eps:
+            ep.finish = ep.finish or "cancelled"
+
+
+def _reward(fn, text, example):
+    return env.reward_value(fn(text, example))  # a float, or ValueError: not a finite number
+
+
+def single_turn(reward_fn):
+    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
+    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
+
+
+class SingleTurn:
+    """The reward hook as an env class: what stands for data.env when it is not set (single_turn binds
+    data.reward). play_single_turn calls its reward_fn; machinery/env.py's episode loop can play it too (one
+    turn, graded, done), which tests use to compare the two paths."""
+    tools: list = []
+    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
+    one_turn = True  # nothing follows the first turn: its KV is never parked
+    reward_fn = staticmethod(math_reward)
+
+    def __init__(self, example):
+        self.example = example
+
+    def reset(self):
+        return self.example["prompt"]  # a string or messages
+
+    def step(self, text):
+        return [], self.reward_fn(text, self.example), True
+
+
+# ----------------------------------------------------------------------------- the generator thread
 
 
 class Generator:
@@ -395,82 +475,6 @@ class Generator:
             for ep in picked:
                 f.write(json.dumps(dump_record(ep, self.tokenizer)) + "\n")
         os.replace(path + ".tmp", path)
-
-
-# ----------------------------------------------------------------------------- one turn, graded: the default trajectory
-
-
-def play(engine, eps, env_cls, tokenizer, sampling, limits, seed, *, chat_template=True, stopping=lambda: False,
-         each=False):
-    """Play the episodes to their end, yielding (i, episode) as each one ends: one graded turn each without
-    data.env (play_single_turn), else the env's turns through machinery/env.py's episode loop (env.run_episodes;
-    each: the env answers each turn as it arrives on an engine without sessions)."""
-    if issubclass(env_cls, SingleTurn):
-        return play_single_turn(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
-                                stopping=stopping)
-    return env.run_episodes(engine, eps, env_cls, tokenizer, sampling, limits, seed, chat_template=chat_template,
-                            stopping=stopping, each=each)
-
-
-def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, limits: env.Limits, seed, *,
-                     chat_template=True, stopping=lambda: False):
-    """The default path: every trajectory is its prompt and one sampled response. eps: Episodes (the trajectory
-    record, machinery/env.py) of the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
-    One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]; an aborted one again
-    with seed + 7: env.generate), and the responses that finish together (one engine iteration) are graded at once,
-    each hook.reward_fn(its text, the example) on a worker thread of its own with a deadline
-    (limits.timeout_s, rollout.env_timeout_s), and a reward that raises, misses it or is not a finite number
-    fails the trajectory (Episode.failure) instead of the run (env.guarded). Yields (i, episode) as each ends."""
-    what = f"{hook.__name__}.step"
-    for ep in eps:
-        ep.prompt = render_prompt(tokenizer, ep.example["prompt"], chat_template)
-    budget = replace(sampling, max_new_tokens=min(limits.max_new_tokens, limits.max_total_tokens))
-    completions = env.generate(engine, [ep.prompt for ep in eps], [budget] * len(eps), seed, stopping)
-    try:
-        with contextlib.closing(completions):  # closed early (dynamic sampling has enough, a stop): the rest cancelled
-            for part in completions:  # [(i, Completion: token_ids and their logprobs, as sampled)] of one iteration
-                calls = []  # their reward calls, run at once on the pool
-                for i, c in part:
-                    ep = eps[i]
-                    ep.response, ep.logprobs, ep.routes = list(c.token_ids), list(c.logprobs), c.routes
-                    ep.spans, ep.versions, ep.turns = [(0, len(c.token_ids))], list(c.versions), 1
-                    text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                    calls.append((ep, what, _reward, (hook.reward_fn, text, ep.example)))
-                for (i, c), (graded, reward) in zip(part, env.guarded(calls, limits.timeout_s)):  # all at once
-                    if graded:
-                        eps[i].reward, eps[i].finish = reward, "length" if c.finish_reason == "length" else "stop"
-                    yield i, eps[i]
-    finally:
-        for ep in eps:
-            ep.finish = ep.finish or "cancelled"
-
-
-def _reward(fn, text, example):
-    return env.reward_value(fn(text, example))  # a float, or ValueError: not a finite number
-
-
-def single_turn(reward_fn):
-    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
-    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
-
-
-class SingleTurn:
-    """The reward hook as an env class: what stands for data.env when it is not set (single_turn binds
-    data.reward). play_single_turn calls its reward_fn; machinery/env.py's episode loop can play it too (one
-    turn, graded, done), which tests use to compare the two paths."""
-    tools: list = []
-    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
-    one_turn = True  # nothing follows the first turn: its KV is never parked
-    reward_fn = staticmethod(math_reward)
-
-    def __init__(self, example):
-        self.example = example
-
-    def reset(self):
-        return self.example["prompt"]  # a string or messages
-
-    def step(self, text):
-        return [], self.reward_fn(text, self.example), True
 
 
 # ============================================================================= beyond one RL step
