@@ -54,9 +54,9 @@ from machinery import colocate, lora, startup, variants
 from machinery.teacher import load_teacher
 from machinery.checkpoint import Preempted, reference_model, restore, resumed, run_main, save_checkpoint
 from machinery.config import LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config
-from machinery.parallel import (Skips, all_gather, autocast, combine_ranks, dummy_rows, full_weights, global_sum, learner_backward,
-                                micro_batches, optimizer_step, packed_micro_batches, parallel_learner, rank, set_threads,
-                                unwrap, world)
+from machinery.parallel import (Skips, autocast, combine_ranks, dummy_rows, full_weights, global_sum, learner_backward,
+                                loss_metrics, micro_batches, optimizer_step, packed_micro_batches, parallel_learner, rank,
+                                set_threads, unwrap, world)
 from rollout import Generator, run_eval, sampling_params, sft_rows, single_turn
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_cpu.yaml")
@@ -222,8 +222,11 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     # samples' order) are flat [N] tensors: gen_logp [N] = log pi_gen, the generator's. A micro-batch mb packs
     # whole samples into one row (parallel.MicroBatch): mb.samples [B] indexes samples (and adv), mb.tokens [N_mb]
     # picks its scored tokens out of the flat [N] (packed_forward returns them in that same order), mb.pad lays
-    # [N_mb] out as [B, T] for the loss and mb.mask [B, T] is True at real tokens. mb None: a dummy micro-batch
-    # that keeps this rank in step with a busier one (the same collectives on every rank), contributing nothing.
+    # [N_mb] out as [B, T] for the loss and mb.mask [B, T] is True at real tokens. E.g. samples of 3, 1 and 2 scored
+    # tokens: gen_logp = [a0 a1 a2 b0 c0 c1]; a micro-batch of samples 0 and 2 has mb.samples [0, 2], mb.tokens
+    # [0, 1, 2, 4, 5], mb.mask [[1, 1, 1], [1, 1, 0]], and mb.pad(gen_logp[mb.tokens]) = [[a0, a1, a2], [c0, c1, 0]].
+    # mb None: a dummy micro-batch that keeps this rank in step with a busier one (the same collectives on every
+    # rank), contributing nothing.
     gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N]
     parts = packed_micro_batches(model, [s.row() for s in samples], cfg.optim.max_tokens_per_micro_batch, device,
                                  [s.routes for s in samples])
@@ -267,16 +270,8 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
         sums["loss"] = sums.get("loss", 0.0) + loss.detach()
         n_tokens += n
     sums["logp_diff_mean"] = gap_sum  # the health signal of the train/inference gap (and staleness)
-    values = torch.stack(list(sums.values()) + [gap_max]).tolist()  # one host sync for every metric
-    gap_max, sums = values.pop(), dict(zip(sums, values))
-    ranks = all_gather((sums, n_tokens, gap_max))  # global: every rank decides alike
-    n_tokens = sum(n for _, n, _ in ranks)
-    total = {name: sum(p.get(name, 0.0) for p, _, _ in ranks) for name in dict.fromkeys(k for p, _, _ in ranks for k in p)}
-    for name, v in total.items():
-        if not name.startswith("routing_"):
-            metrics[f"train/{name}"] = v if name in ("pg_loss", "loss") else v / max(1, n_tokens)
-    metrics |= variants.routing_ratios(total)
-    metrics["train/logp_diff_max"] = max(d for _, _, d in ranks)
+    step, total = loss_metrics(sums, n_tokens, gap_max)  # over every rank: train/loss, train/pg_loss, token means
+    metrics |= step | variants.routing_ratios(total)  # (MoE: routing/*)
     metrics["train/tokens"] = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
 
     def lr():  # the KL guard brakes the lr while the policy drifts too fast from the reference

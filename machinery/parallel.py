@@ -335,6 +335,21 @@ SUMMED = {"train/samples", "train/tokens", "train/masked", "staleness/dropped", 
 MAXED = {"staleness/max", "train/logp_diff_max", "perf/step_s", "perf/publish_s"}
 
 
+def loss_metrics(sums, n_tokens, gap_max):
+    """rl_step's per-token sums over every rank, with one host sync: sums {name: 0-dim tensor or float} summed
+    over this rank's micro-batches, n_tokens its scored tokens, gap_max its largest |log pi_learner - log pi_gen|.
+    Returns ({train/<name>: the global sum for pg_loss and loss, else the global token mean, train/logp_diff_max},
+    {name: the global sum}, the same on every rank)."""
+    values = torch.stack([torch.as_tensor(v) for v in sums.values()] + [torch.as_tensor(gap_max)]).tolist()
+    gap_max, sums = values.pop(), dict(zip(sums, values))
+    ranks = all_gather((sums, n_tokens, gap_max))  # global: every rank decides alike
+    n_tokens = sum(n for _, n, _ in ranks)
+    total = {name: sum(p.get(name, 0.0) for p, _, _ in ranks) for name in dict.fromkeys(k for p, _, _ in ranks for k in p)}
+    out = {f"train/{name}": v if name in ("pg_loss", "loss") else v / max(1, n_tokens)
+           for name, v in total.items() if not name.startswith("routing_")}  # (routing_*: variants.routing_ratios)
+    return out | {"train/logp_diff_max": max(d for _, _, d in ranks)}, total
+
+
 def combine_ranks(metrics):
     """This rank's metrics -> the row of the whole step (the same on every rank)."""
     parts, out = all_gather(metrics), {}
