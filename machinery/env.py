@@ -635,10 +635,11 @@ def _one_by_one(stream):
         stream.close()
 
 
-def report_failures(failures, total, batch, max_fraction, run_dir=None, rank=0, seen=None, max_warnings=5):
+def report_failures(failures, total, batch, max_fraction, run_dir, rank, seen, max_warnings):
     """A rollout batch's failed trajectories (Episodes with a failure) out of `total`, as data: a warning line each
-    (at most max_warnings), the first traceback of each kind in run_dir/env_failures/ (kinds in `seen`, a set kept
-    across batches), and TooManyFailures, one line, if more than max_fraction of the batch failed."""
+    (at most max_warnings), the first traceback of each kind in run_dir/env_failures/ (run_dir None: none; kinds in
+    `seen`, a set the caller keeps across batches), and TooManyFailures, one line, if more than max_fraction of the
+    batch failed."""
     for ep in failures[:max_warnings]:
         print(f"[rollout] env failure on example {ep.index} (batch {batch}): {ep.failure}", flush=True)
     if len(failures) > max_warnings:
