@@ -36,7 +36,7 @@ on batch i, one step off-policy:
 
     learner    | get b0 | train b0 | publish 1, open 1 | train b1 | publish 2, open 2 | train b2 | ...
     generator  | b0 (v0)| b1 (v0)                      | b2 (v1)                      | b3 (v2)  | ...
-                          (publish v waits for batch v, which the learner's next step needs anyway)
+                 (publish v waits for batch v: next_batch >= v + max_staleness; the learner's next step needs it anyway)
 
 When do new weights reach the engine? By default between batches only: publish(v) waits until the thread has
 finished batch v + max_staleness - 1 (next_batch >= v + max_staleness); the thread then waits at the gate for
@@ -209,13 +209,11 @@ class SingleTurn:
 
 
 class Generator:
-    """Runs the generation loop in a background thread and hands RolloutBatches to the learner. The staleness
-    gate compares the batch it makes next (next_batch) with the version of the learner's last open() (opened):
-    this file's docstring. Before start() the engine must hold the learner's weights (the first publish); the gate
-    starts open at first_index, the learner's version (on resume: the checkpoint's), and `ready` holds the batches
-    a checkpoint kept (sampled before it was taken). Do not evaluate on the engine while stop() runs: it aborts in-flight
-    work. With max_staleness 1 the learner loses nothing by publish() waiting for batch v: its next step needs
-    exactly that batch."""
+    """Runs the generation loop in a background thread and hands RolloutBatches to the learner, behind the
+    staleness gate of this file's docstring. Before start() the engine must hold the learner's weights (the first
+    publish); the gate starts open at first_index, the learner's version (on resume: the checkpoint's), and `ready`
+    holds the batches a checkpoint kept (sampled before it was taken). Do not evaluate on the engine while stop()
+    runs: it aborts in-flight work."""
 
     def __init__(self, engine, stream, tokenizer, r, sampling: SamplingParams, *, env_cls, seed: int = 0,
                  first_index: int = 0, end: int | None = None, rank: int = 0, world: int = 1, run_dir: str | None = None,
@@ -331,10 +329,7 @@ class Generator:
         failures = [ep for ep in r.episodes if ep.failure is not None]  # data: warnings, tracebacks, a stop if too many
         env.report_failures(failures, len(r.episodes), self.next_batch, self.max_failures, self.run_dir, self.rank,
                             self.seen_failures, MAX_WARNINGS)
-        surplus = r.kept[self.prompts_per_step:]  # an engine that cannot stream finishes every over-sampled prompt
-        kept = r.kept[:self.prompts_per_step]
-        top_up = r.spare[:self.prompts_per_step - len(kept)]  # too few informative groups: uniform ones fill in
-        dropped, kept = len(r.spare) - len(top_up) + len(surplus), kept + top_up
+        kept, dropped = batch_groups(r, self.prompts_per_step)  # by default every group of the one round, none dropped
         samples = []
         for gi, g in enumerate(kept):
             for s in g:
@@ -397,9 +392,8 @@ class Generator:
                 for _, ep in runs:
                     episodes.append(ep)
                     settle()
-                    if need is not None and self.streams and sum(g is not None and grpo.informative([s.reward for s in g])
-                                                                 for g in done) >= need:
-                        return done
+                    if need is not None and self.streams and informative_groups(done) >= need:
+                        return done  # dynamic sampling has its groups: the prompts after them are cancelled
         finally:  # (closing an env's episode loop closed every env, cancelled ones too)
             self.close_failures += sum(ep.close_failure is not None for ep in eps)
         if self.stopping.is_set():
@@ -518,6 +512,21 @@ class Generator:
 #     trajectory ended by a void turn (machinery/env.py) is masked like a cut one under `mask`.
 
 
+def batch_groups(r: Rounds, want: int):
+    """The groups a batch trains on (at most `want`), and how many it dropped. One round without dynamic sampling:
+    every group kept, none dropped. Dynamic sampling keeps the first `want` informative groups in prompt order (an
+    engine that cannot stream finished every over-sampled prompt: the surplus is dropped) and tops them up with
+    uniform ones (r.spare: zero advantage) when too few were informative; the unused uniform ones are dropped."""
+    kept, surplus = r.kept[:want], r.kept[want:]
+    top_up = r.spare[:want - len(kept)]
+    return kept + top_up, len(r.spare) - len(top_up) + len(surplus)
+
+
+def informative_groups(groups) -> int:
+    """How many of the groups (lists of Samples; None: failed) have rewards that differ (grpo.informative)."""
+    return sum(g is not None and grpo.informative([s.reward for s in g]) for g in groups)
+
+
 def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, limits: env.Limits, env_cls,
              chat_template: bool, seed=0) -> dict:
     """Accuracy and pass@k of the engine's current weights on held-out examples: n trajectories each, played
@@ -562,7 +571,23 @@ def run_eval(cfg, engine, tokenizer, sets, stop_ids, env_cls) -> dict:
             parts = [(k, pm) for k, pm in all_gather((len(mine), m)) if k]
             total = sum(k for k, _ in parts)
             out |= {f"eval/{name}/{prefix}{key}": sum(k * pm[key] for k, pm in parts) / total for key in parts[0][1]}
+        if out.get(f"eval/{name}/env_failure_rate") and rank() == 0:  # said where the accuracy is (accuracy_line too)
+            print(f"[eval] {name}: the env failed {out[f'eval/{name}/env_failure_rate']:.0%} of the trajectories; each "
+                  f"scored 0 in eval/{name}/accuracy", flush=True)
     return out
+
+
+def accuracy_line(metrics: dict) -> str:
+    """Each eval set's accuracy for the console, e.g. "synthetic/accuracy 61.0%". An env that failed trajectories
+    says so beside it: a failed trajectory scores 0, so without the note an env that is down reads as a model that
+    learned nothing."""
+    out = []
+    for k, v in metrics.items():
+        if k.startswith("eval/") and k.endswith("accuracy"):
+            failed = metrics.get(k.rsplit("/", 1)[0] + "/env_failure_rate", 0.0)
+            out.append(f"{k.removeprefix('eval/')} {v:.1%}" + (f" (the env failed {failed:.0%} of its trajectories, each "
+                                                                f"scored 0)" if failed else ""))
+    return ", ".join(out) or "n/a"
 
 
 def sft_rows(cfg, tokenizer, examples, env_cls):

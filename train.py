@@ -57,7 +57,7 @@ from machinery.config import LOGIT_CHUNK, LOGIT_KEEP_BYTES, Config
 from machinery.parallel import (Skips, autocast, combine_ranks, dummy_rows, full_weights, global_sum, learner_backward,
                                 loss_metrics, micro_batches, optimizer_step, packed_micro_batches, parallel_learner, rank,
                                 set_threads, unwrap, world)
-from rollout import Generator, run_eval, sampling_params, sft_rows, single_turn
+from rollout import Generator, accuracy_line, run_eval, sampling_params, sft_rows, single_turn
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "tiny_cpu.yaml")
 
@@ -195,7 +195,9 @@ def train_warmup(stage, run: startup.Run):
 
 def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     """One GRPO update on this rank's rollout batch (all ranks step together); returns the step's
-    metrics. Loss sums and token means are global; sample counts are this rank's."""
+    metrics. Loss sums and token means are global; sample counts are this rank's. In one process (the default)
+    parallel's calls are plain: global_sum and loss_metrics sum this rank's numbers, packed_micro_batches packs,
+    learner_backward is loss.backward(), and no micro-batch is a dummy (None)."""
     g, device = cfg.grpo, unwrap(model).lm_head.weight.device
     # The staleness guard: the generator's gate already bounds every sample's age (rollout.py's docstring),
     # so this drops nothing unless that gate is broken, and staleness/dropped then says so.
@@ -254,8 +256,9 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
             if mb is None:
                 variants.dummy_micro_batch(model, logp, last, k == 0, packed_forward, temperature)
                 continue
-            a = variants.distill(adv[mb.samples].to(device), mb, logp, teacher_logp, cfg.distill, sums)  # [B] (as it
-            # is without a teacher), or with distill.teacher [B, T]
+            a = adv[mb.samples].to(device)  # [B]: each sample's advantage, for every one of its tokens
+            if teacher_logp is not None:  # on-policy distillation: per token, [B, T]
+                a = variants.distill(a, mb, logp, teacher_logp, cfg.distill, sums)
             loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), a, mb.mask, g,
                                        ref_logp=None if ref_logp is None else mb.pad(ref_logp[mb.tokens]),
                                        entropy=mb.pad(ent), loss_scale=loss_scale)
@@ -382,9 +385,7 @@ def main(argv=None):
             if hasattr(run.engine, "shutdown"):  # SGLang's server processes must not outlive us
                 run.engine.shutdown()
         if rank() == 0:
-            acc = ", ".join(f"{k.removeprefix('eval/')} {v:.1%}" for k, v in last.items()
-                            if k.startswith("eval/") and k.endswith("accuracy"))
-            print(f"[train] final held-out accuracy: {acc or 'n/a'}")
+            print(f"[train] final held-out accuracy: {accuracy_line(last)}")
     run.log.finish()  # the dashboard's run ends as finished, TensorBoard's file is flushed
     if rank() == 0:
         print(f"[train] done: {cfg.run_dir} (metrics: {os.path.join(cfg.run_dir, 'metrics.jsonl')})")

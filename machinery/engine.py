@@ -1,7 +1,7 @@
 """
-The generation engine: token ids in, sampled completions with their logprobs out. Its callers: rollout.py's
-single turn streams one call (stream, through env.generate), agents' episodes (machinery/env.py) drive a session
-(submit / step / end: a trajectory's next turn joins the running call); the Generator publishes with
+The generation engine: token ids in, sampled completions with their logprobs out. Its callers drive a session
+(submit / step / end): rollout.py's single turn submits one call's prompts at once (env.generate), agents' episodes
+(machinery/env.py) a trajectory's next turn as it comes, joining the running call; the Generator publishes with
 update_weights(named_tensors, version) and cancels with abort / resume; release hands the memory to the learner
 between calls (colocate.py), and share makes LoRA's frozen base the learner's own tensors (lora.share_base).
 Here: the sampler, TorchEngine and make_engine; SGLang's is sglang.py; SamplingParams and Completion are

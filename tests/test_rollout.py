@@ -532,3 +532,25 @@ def test_sft_traces_that_fail_on_any_rank_are_dropped_on_every_rank(monkeypatch)
     monkeypatch.setattr(rollout, "all_gather", lambda mine: gathered.append(mine) or [mine, {1}])  # rank 1 lost trace 1
     assert [r is None for r in rollout.sft_rows(cfg, tok, [ex, ex, short], Calculator)] == [False, True, True]
     assert gathered == [{2}]
+
+
+class Broken(Hang):
+    def reset(self):
+        raise ConnectionError("backend down")
+
+
+def test_env_failures_in_eval_are_said_beside_the_accuracy(capsys):
+    """An env that fails every episode scores 0 in eval; the console says that the env failed, where the accuracy is
+    said (run_eval's line and the final accuracy line), so it never reads as a model that learned nothing."""
+    tok = make_tiny_tokenizer()
+    cfg = SimpleNamespace(seed=0, train=SimpleNamespace(eval_temperature=None, eval_n=2, eval_greedy=False,
+                                                       eval_max_new_tokens=3),
+                          rollout=rollout_cfg(0, max_new_tokens=3, env_timeout_s=5.0), data=SimpleNamespace(env="x"))
+    sets = {"multiply": [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]}
+    out = rollout.run_eval(cfg, TorchEngine(tiny_model_for(tok)), tok, sets, (tok.eos_token_id,), Broken)
+    assert out["eval/multiply/accuracy"] == 0.0 and out["eval/multiply/env_failure_rate"] == 1.0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eval]")]
+    assert said == ["[eval] multiply: the env failed 100% of the trajectories; each scored 0 in eval/multiply/accuracy"]
+    assert rollout.accuracy_line(out) == "multiply/accuracy 0.0% (the env failed 100% of its trajectories, each scored 0)"
+    assert rollout.accuracy_line({"eval/synthetic/accuracy": 0.61, "eval/synthetic/env_failure_rate": 0.0}) == \
+        "synthetic/accuracy 61.0%"
