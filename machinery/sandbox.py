@@ -19,46 +19,59 @@ from a queue, or waits for one.
 
 Threat model: the code is hostile and runs thousands of times a step. Isolation is strict by default: start()
 refuses, in one line that names what is missing, a machine where any of the following cannot be had (not root,
-no CAP_SYS_ADMIN, a container without namespaces); Sandbox(isolation="weak") (data.env_args: isolation: weak)
-accepts it for a demo on a trusted machine, and start() then warns once per missing piece. `Sandbox.isolation`
-says what holds. Per worker:
+no CAP_SYS_ADMIN, a container without namespaces, no memory cgroup to be made, an architecture other than x86-64
+and aarch64); Sandbox(isolation="weak") (data.env_args: isolation: weak) accepts it for a demo on a trusted
+machine, and start() then warns once per missing piece. `Sandbox.isolation` says what holds. Per worker:
 - its own uid and gid, UID_BASE + the worker's pid (the trainer is root): no other process on the machine has it
   (one pid namespace assumed) and no process of it outlives a run. The code cannot signal the trainer, read its
   environment, memory or open files, or write its files.
 - its own network namespace, with only its own loopback, left down: no network at all, not even the host's
-  127.0.0.1 (abstract unix sockets are per namespace too); and its own IPC namespace (SysV objects and POSIX
-  queues are not the host's; the SysV ones are removed after every run). Made once per worker, not per run:
-  cheaper, and nothing of a run survives into the next.
-- its own mount namespace, in which, in this order: a directory on the way to the interpreter that the uid
-  could not pass (a 0700 /root that holds pyenv) is covered by an empty tmpfs into which only the entries on
-  that way are bound back; the directories to hide (hide: the checkout this file is in, the trainer's working
-  directory, where runs/ lies, and whatever the caller names: the run_dir, with its checkpoints and rollout
-  dumps that hold the labels, and the data files' directories) are covered by an empty tmpfs the same way,
-  so code that looks for the answer finds nothing to read (the worker has read this file already); every mount
-  is made read-only (recursively: files the code writes outside the next item's places fail with EROFS);
-  /proc is a fresh one with hidepid=invisible, in which the uid sees only its own processes; and one fresh
-  tmpfs of disk_mb bytes and max_files inodes is bound, a directory of it each, over /tmp, /var/tmp, /dev/shm,
-  /run (with /run/lock) and /var/crash where they exist: every writable place the code sees, all of them
-  capped together in bytes and in files, and emptied after every run. 10,000 files or 2 GB written anywhere
-  end in "No space left on device" at the cap and leave the host's disk as it was. (Entries of the interpreter
-  in those places, a virtualenv in /tmp, are bound back, read-only.)
-- oom_score_adj 1000, inherited by every run: under memory pressure the kernel kills model code, never the
-  trainer (written as root with CAP_SYS_RESOURCE, it is also the floor, which the code cannot lower).
+  127.0.0.1 (abstract unix sockets are per namespace too); and its own IPC namespace, whose SysV objects and
+  POSIX message queues (a mqueue file system at /dev/mqueue) are removed after every run.
+- its own mount namespace and a root built from nothing (deny by default): an empty tmpfs into which only what
+  the interpreter needs is bound, read-only: /usr and /bin, /sbin, /lib* (as links where they are links), the
+  interpreter's prefixes (sys.prefix, sys.base_prefix: the virtualenv and the Python it was made from) and its
+  site-packages (not the source trees of editable installs), /etc/ld.so.cache and /etc/alternatives, and a
+  passwd and group of three lines. Nothing else of the host is there: not /home, /root, /opt, /srv, /mnt, the
+  checkout, the run_dir or the data, nor /sys. The directories to hide (hide: the checkout this file is in, the
+  trainer's working directory and whatever the caller names) are covered by an empty tmpfs where they lie inside
+  something bound, less the interpreter's own entries. /proc is a fresh one with hidepid=invisible, in which the
+  uid sees only its own processes (its /proc/cmdline reads empty); /dev holds null, zero, full, random and
+  urandom. One fresh tmpfs of disk_mb bytes and max_files inodes is bound, a directory of it each, over /tmp,
+  /var/tmp, /dev/shm and /run (with /run/lock): every writable place the code sees, capped together in bytes and
+  in files, emptied after every run (an interpreter there, a virtualenv in /tmp, is bound in read-only and
+  kept). Then the worker pivots into it; the host's root is detached.
+- a memory cgroup (v1: memory.limit_in_bytes and memory.memsw.limit_in_bytes; v2: memory.max and
+  memory.swap.max 0), made beside the trainer's own cgroup or in it, that every run's processes join: a run's
+  processes together, with what they write to the tmpfs, hold at most memory_mb; past it the kernel's OOM killer
+  kills one of the run's processes, never another's (the code cannot push the machine into the OOM killer at
+  all). oom_score_adj 1000 is inherited by every run, a floor only where the worker has CAP_SYS_RESOURCE
+  (`isolation["oom_locked"]`; Docker's default set lacks it, and then the code may lower it, to no effect on the
+  trainer, whose memory the cgroup keeps apart).
+- a session keyring of its own (an anonymous one, not the trainer's).
 Weak isolation (isolation="weak", where one of these is missing): not root, the code runs as the trainer's user
 (it can signal the trainer's processes, and there is no process cap); the namespaces are then made inside a user
-namespace where the kernel allows one, and what cannot be made is missing: without a mount namespace the code
+namespace where the kernel allows one, and what cannot be made is missing: without a root of its own the code
 reads every file the user may (the checkout, the run_dir's labels, the data) and writes to the host's disk,
 where it stays; without a network namespace it reaches the network; without a private /proc it sees every
-process's command line.
+process's command line; without a cgroup only the address-space rlimit bounds memory, per process.
 Per run:
 - its own session: on the wall-clock timeout (or when the code's process ends) the process group is killed, then
   every process of the uid (from a helper of that uid, kill(-1): atomic against a fork bomb), so children that
-  left the group (setsid, a double fork) die too; the worker is a child subreaper and reaps them all.
+  left the group (setsid, a double fork) die too; the worker is a child subreaper and reaps them all. The helper
+  then clears the uid's user and user-session keyrings, which the kernel keeps past the uid's processes.
+- a fresh anonymous session keyring: the trainer's keys are not in reach, and keys of a run die with it.
 - rlimits: CPU seconds (ceil(timeout) + 1), address space (memory_mb: a big allocation is a MemoryError), file
   size (disk_mb), 256 open files, no core dump; and the process cap (max_procs, threads included): RLIMIT_NPROC
   never binds root and counts every process of the uid on the machine, which is why each worker has a uid of its
-  own and the limit is set before the drop to it. (Not root: no cap, a warning; no cgroup is used.)
-- no_new_privs (setuid binaries gain nothing) and a parent-death signal (the code dies with its worker).
+  own and the limit is set before the drop to it.
+- no_new_privs (setuid binaries gain nothing), a parent-death signal (the code dies with its worker), and a
+  seccomp filter (classic BPF, x86-64 and aarch64; any other ABI, x32 and i386 included, is refused or killed):
+  EPERM for unshare, setns, clone with a CLONE_NEW* flag (clone3 is ENOSYS, so glibc falls back to clone, whose
+  flags can be read), mount and the new mount API, pivot_root, chroot, the key calls, bpf, perf_event_open,
+  userfaultfd, ptrace, process_vm_*, io_uring, module and kexec loading, swap, reboot, acct, syslog,
+  open_by_handle_at; socket() and socketpair() of a family other than AF_UNIX, AF_INET and AF_INET6 are
+  EAFNOSUPPORT (no vsock, netlink or packet sockets).
 - a fresh scratch directory as cwd, HOME and TMPDIR, owned by the uid and removed after; a minimal environment
   (ENV: nothing inherited, so no secrets); an empty stdin.
 - stdout and stderr unbuffered (python -u: what was printed before a timeout or a crash is kept), on separate
@@ -76,12 +89,12 @@ apart (wait_s) and ends in SandboxError, never in a timeout the model reads as i
 gave up (env.py writes off a call past rollout.env_timeout_s) never takes a worker later, and one that holds
 a worker holds it timeout_s + GRACE_S at most.
 
-What this does not isolate: the code shares the kernel with the trainer (a kernel exploit escapes), reads
-every world-readable file not hidden (the system, the interpreter's virtualenv), sees /sys, may use memory_mb
-of address space in each of max_procs processes (and its tmpfs, disk_mb, is memory too), and POSIX message
-queues it makes live on in its worker's IPC namespace (RLIMIT_MSGQUEUE bounds them). For untrusted code in
-production, run it in a container, or the workers under nsjail or bubblewrap (seccomp, cgroup limits).
-Linux only.
+What this does not isolate: the kernel, shared with the trainer (a bug in a system call the filter allows
+escapes); what is bound in (the system's /usr and /lib, the virtualenv: world-readable on the host anyway);
+the kernel's own files in /proc (/proc/cpuinfo, /proc/sys, /proc/self/mountinfo, which names the bound paths);
+CPU time and the page cache, shared with the machine (only RLIMIT_CPU and the wall-clock timeout bound a run);
+and the workers together, each of which may hold memory_mb, and its tmpfs (disk_mb). For untrusted code in
+production, run the workers in a VM (gVisor, Firecracker) too. Linux only.
 
 The file in reading order: the result (Result), the code's bootstrap, the trainer's side (Sandbox, _Worker),
 the worker's side (_serve, _Runner, output caps), the Linux calls.
@@ -111,11 +124,13 @@ TRUNCATED = "[... output truncated]"
 GRACE_S = 10.0  # the trainer waits this much past a run's timeout for its worker's answer, then replaces the worker
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # + HOME, TMPDIR: the scratch
-# Where the code may write (with strict isolation): the world-writable places programs expect, each a directory of
-# one tmpfs of the worker's, emptied after every run; the rest of the file system is read-only. /var/lock and
-# /var/run are links into /run on most systems; a place that does not exist stays absent (its parent is read-only).
-WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/var/crash", "/var/lock", "/var/run")
+# Where the code may write (with a root of its own): the places programs expect, each a directory of one tmpfs of
+# the worker's, emptied after every run; the rest of the file system is read-only (/var/lock, /var/run: links).
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 SUBDIRS = {"/run": ("lock",)}  # made again (mode 1777) in a place after each wipe
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # bound read-only (or linked) in the root
+ETC = ("/etc/ld.so.cache", "/etc/alternatives")  # all of the host's /etc the root gets, where they exist
+DEVICES = ("null", "zero", "full", "random", "urandom")  # the host's device nodes bound into the root's /dev
 
 
 @dataclass
@@ -184,12 +199,13 @@ except BaseException as e:
 class Sandbox:
     """A pool of `workers` sandbox workers. start() once (cheap: before the model loads), run() from any thread,
     close() at the end (or use it as a context manager). Limits: timeout_s (per run, run() may override it),
-    memory_mb (address space per process), max_procs (processes and threads of a run), max_output (bytes kept
-    of stdout, and of stderr), disk_mb (a file's size; the bytes of all the writable places together),
-    max_files (their files and directories together), wait_s (the wait for a free worker); hide: paths the
-    code must not read, on top of the checkout and the working directory (hidden_dirs); isolation: "strict"
-    (refuse a machine that cannot isolate) or "weak" (accept it, with warnings); echo: print the last
-    expression's value; python: the code's interpreter (default: the trainer's)."""
+    memory_mb (a run's memory, its processes together, and each one's address space), max_procs (processes
+    and threads of a run), max_output (bytes kept of stdout, and of stderr), disk_mb (a file's size; the bytes
+    of all the writable places together), max_files (their files and directories together), wait_s (the wait
+    for a free worker); hide: paths the code must not read, on top of the checkout and the working directory
+    (hidden_dirs; the root built for the code holds none of them anyway, unless one lies in what is bound in);
+    isolation: "strict" (refuse a machine that cannot isolate) or "weak" (accept it, with warnings); echo: print
+    the last expression's value; python: the code's interpreter (default: the trainer's)."""
 
     def __init__(self, workers=4, timeout_s=10.0, memory_mb=1024, max_procs=16, max_output=16384, disk_mb=64,
                  echo=True, python=None, uid_base=UID_BASE, max_files=4096, hide=(), wait_s=30.0,
@@ -347,6 +363,15 @@ class _Worker:
                     except OSError:
                         pass
                 time.sleep(0.01)
+        cgroup = self.hello.get("cgroup")
+        for _ in range(100 if cgroup else 0):  # the worker's memory cgroup (it cannot: it sees no /sys)
+            try:
+                os.rmdir(cgroup)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # EBUSY while the last of its processes exit
+                time.sleep(0.01)
 
 
 def pids_of(uids):
@@ -366,10 +391,11 @@ def pids_of(uids):
 
 
 def hidden_dirs(paths=()):
-    """The directories to hide from the code (empty tmpfs over each): the checkout this file is in (a directory
-    with pyproject.toml or .git: not an installed package's site-packages), the trainer's working directory (the
-    default run_dir, runs/, lies in it), and each of `paths` (the run_dir, the data files): a file stands for its
-    directory, a path not made yet for its nearest existing parent. Never / itself."""
+    """The directories to hide from the code (never bound into its root; covered by an empty tmpfs where they lie
+    in what is bound): the checkout this file is in (a directory with pyproject.toml or .git: not an installed
+    package's site-packages), the trainer's working directory (the default run_dir, runs/, lies in it), and each
+    of `paths` (the run_dir, the data files): a file stands for its directory, a path not made yet for its nearest
+    existing parent. Never / itself."""
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     found = [checkout] if any(os.path.exists(os.path.join(checkout, n)) for n in ("pyproject.toml", ".git")) else []
     dirs, cwd = set(), os.getcwd()
@@ -404,12 +430,13 @@ def _send(obj):
 
 
 class _Runner:
-    """The worker: its namespaces and uid (made once), and the runs."""
+    """The worker: its namespaces, root, cgroup and uid (made once), and the runs."""
 
     def __init__(self, config):
         self.config, self.uid, self.tmp, warnings, missing = config, None, tempfile.gettempdir(), [], []
         self.places = {}  # the writable directories (ours: one tmpfs) -> the names in each bound back from the host
-        self.ipc = False  # the IPC objects of the runs are ours to remove
+        self.ipc = self.mqueue = False  # the IPC objects of the runs (SysV; POSIX queues) are ours to remove
+        self.cgroup = None  # (cgroup.procs, its OOM counter file) as open fds: every run's processes join it
 
         def lack(what, so):  # what strict isolation needs and this machine does not give (start() refuses)
             missing.append(what)
@@ -417,6 +444,13 @@ class _Runner:
 
         root, real_uid, real_gid = os.geteuid() == 0, os.getuid(), os.getgid()
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the runs become this process's children, to be reaped
+        calls = SYSCALLS.get(os.uname().machine)
+        try:  # not the trainer's session keyring (each run gets one of its own too, in _child)
+            _keyctl(KEYCTL_JOIN_SESSION_KEYRING, 0)
+            keyring = True
+        except OSError as e:
+            keyring = False
+            lack(f"a session keyring of its own ({e})", "the code shares the trainer's keys")
         try:  # under memory pressure the kernel kills model code, never the trainer: every run inherits this
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write("1000")
@@ -426,7 +460,14 @@ class _Runner:
             caps = int(next(line for line in f if line.startswith("CapEff:")).split()[1], 16)  # cannot lower it
         oom_locked = bool(caps >> CAP_SYS_RESOURCE & 1)
         if not oom_locked:  # (a container that drops the capability, as Docker's default set does)
-            warnings.append("no CAP_SYS_RESOURCE: the code can lower its own oom_score_adj below 1000")
+            warnings.append("no CAP_SYS_RESOURCE: oom_score_adj 1000 is no floor, the code can lower its own")
+        memory = _memory_cgroup(config["memory_mb"])  # (before the new root: it has no /sys)
+        if isinstance(memory, str):
+            lack(f"a memory cgroup ({memory})", f"only the address-space rlimit bounds memory, per process: a "
+                 f"run's {config['max_procs']} processes may take {config['max_procs']} x memory_mb together")
+            memory = None
+        else:
+            self.cgroup = memory[1:]
         try:
             _unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | (0 if root else CLONE_NEWUSER))
             if not root:  # inside a user namespace: map our own uid and gid, nothing else
@@ -437,8 +478,8 @@ class _Runner:
             namespaces = True
         except OSError as e:
             namespaces = False
-            lack(f"network and mount namespaces ({e})", "the code can reach the network, and writes to the host's "
-                 "disk, where what it writes stays")
+            lack(f"network and mount namespaces ({e})", "the code can reach the network, and reads and writes "
+                 "the host's files")
         if root:
             uid = config["uid_base"] + os.getpid()
             if _can_become(uid):
@@ -451,40 +492,60 @@ class _Runner:
             lack("root (for a uid of its own per worker)", f"the code runs as the trainer's user (uid {real_uid}) "
                  "and can signal its processes; max_procs is not enforced (RLIMIT_NPROC would count all of that "
                  "user's)")
-        exposed, hidden = [], []
+        self.seccomp = _seccomp_program(os.uname().machine)
+        if self.seccomp is None or calls is None:
+            self.seccomp = None
+            lack(f"a seccomp filter for {os.uname().machine}", "the code can make namespaces and any socket")
+        probe = self._probe()
+        if probe == 2:
+            lack("a memory cgroup (a process could not join it)", "only the address-space rlimit bounds memory")
+            self.cgroup = memory = None
+        elif probe != 0 and self.seccomp is not None:
+            self.seccomp = None
+            lack("a seccomp filter (the probe could still unshare)", "the code can make namespaces and any socket")
         if namespaces:
             try:
-                _mount(None, "/", None, MS_REC | MS_PRIVATE)  # first: nothing mounted below reaches the host
-                paths = self._interpreter_paths()
-                if self.uid is not None:
-                    exposed = _expose(paths)
-                hidden = _hide(config["hide"], paths, lack)
-                try:  # every mount, as it is now: nothing the code writes outside the tmpfs below outlives it
-                    _readonly_tree("/")
-                except OSError as e:
-                    lack(f"a read-only root ({e})", "the code can write wherever its uid may, and it stays")
-                try:  # a /proc of our own in which the runs' uid sees only its own processes (not the trainer)
-                    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
-                except OSError as e:
-                    lack(f"a private /proc ({e})", "the code sees the host's processes and their command lines")
-                self.places = _writable(paths, config["disk_mb"], config["max_files"])
-                self.ipc = os.path.isdir("/proc/sysvipc")  # (a /proc of this IPC namespace: the one just mounted)
-                self.tmp = "/tmp"
+                self.places, proc = _new_root(self._interpreter_paths(), config, self.uid or 0, lack)
+                self.ipc, self.mqueue, self.tmp = proc, os.path.isdir("/dev/mqueue"), "/tmp"
             except OSError as e:
-                lack(f"private mounts ({e})", f"runs use the host's {self.tmp}")
-        os.chdir("/")  # the trainer's cwd may be one just hidden: hold nothing of it
-        self.hello = {"pid": os.getpid(), "uid": self.uid, "network": namespaces, "private_tmp": bool(self.places),
-                      "hidden": exposed, "hidden_paths": hidden, "oom_locked": oom_locked, "missing": missing,
-                      "warnings": warnings}
+                lack(f"a root of its own ({e})", f"the code reads the host's files and runs use the host's "
+                     f"{self.tmp}")
+        os.chdir("/")  # the trainer's cwd is not in the new root: hold nothing of it
+        self.hello = {"pid": os.getpid(), "uid": self.uid, "network": namespaces, "private_root": bool(self.places),
+                      "private_tmp": bool(self.places), "cgroup": memory and memory[0], "seccomp": bool(self.seccomp),
+                      "keyring": keyring, "oom_locked": oom_locked, "missing": missing, "warnings": warnings}
+
+    def _probe(self):
+        """Before any run depends on them: 2 if a child cannot join the cgroup, 1 if after the filter unshare
+        still does not fail with EPERM (the filter does not hold on this kernel), else 0."""
+        pid = os.fork()
+        if pid == 0:
+            code = 2
+            try:
+                if self.cgroup:
+                    os.write(self.cgroup[0], str(os.getpid()).encode())
+                code = 1
+                if self.seccomp is not None:
+                    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+                    _seccomp(self.seccomp)
+                    if _libc.unshare(ctypes.c_int(CLONE_NEWUSER)) != 0 and ctypes.get_errno() == errno.EPERM:
+                        code = 0
+            finally:
+                os._exit(code)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
     def _interpreter_paths(self):
-        """What the code's interpreter reads: itself and, when it is ours, our sys.path (the same -I interpreter),
-        less this file's directory (the worker's sys.path[0]: the checkout's source stays hidden)."""
+        """What the code's interpreter reads, to bind into the new root: itself, its prefixes (the virtualenv and
+        the Python it was made from) and the site-packages on our sys.path (the same -I interpreter); not the
+        worker's sys.path[0] (this file's directory) nor an editable install's source tree."""
         python = self.config["python"]
-        if os.path.realpath(python) != os.path.realpath(sys.executable):
-            return [python, os.path.dirname(os.path.dirname(os.path.realpath(python)))]
-        here = os.path.dirname(os.path.abspath(__file__))
-        return [python, sys.prefix, sys.base_prefix, *(p for p in sys.path if p and os.path.exists(p) and p != here)]
+        if os.path.realpath(python) != os.path.realpath(sys.executable):  # its prefix, as named and as linked to
+            return [python, *(os.path.dirname(os.path.dirname(p)) for p in (os.path.abspath(python),
+                                                                          os.path.realpath(python)))]
+        prefixes = (sys.prefix, sys.base_prefix)
+        return [python, *prefixes, *(p for p in sys.path if p and os.path.exists(p) and (
+            os.path.basename(p) in ("site-packages", "dist-packages") or any(
+                p.startswith(q.rstrip("/") + "/") for q in prefixes)))]
 
     def run(self, code, timeout_s):
         """Run the code in a forked child that execs a fresh interpreter; read its output until it exits or the
@@ -494,6 +555,7 @@ class _Runner:
         if self.uid is not None:
             os.chown(scratch, self.uid, self.uid)
         (in_r, in_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
+        ooms = _oom_kills(self.cgroup)
         started = time.monotonic()
         pid = os.fork()
         if pid == 0:
@@ -536,14 +598,19 @@ class _Runner:
         self._clean(scratch)
         exit_code = os.waitstatus_to_exitcode(status)
         err = stderr.text()
-        return Result(stdout.text(), err, self._error(exit_code, timed_out, err, timeout_s), exit_code, timed_out,
-                      stdout.dropped > 0 or stderr.dropped > 0, round(seconds, 4))
+        oom = _oom_kills(self.cgroup) > ooms  # the cgroup's OOM killer killed one of the run's processes
+        return Result(stdout.text(), err, self._error(exit_code, timed_out, err, timeout_s, oom), exit_code,
+                      timed_out, stdout.dropped > 0 or stderr.dropped > 0, round(seconds, 4))
 
     def _child(self, in_r, out_w, err_w, scratch, timeout_s):
         """In the forked child (a copy of this small worker, still root): the run's session, pipes, directory,
         rlimits and uid, then exec the interpreter. Never returns."""
         try:
             os.setsid()
+            if self.cgroup:  # all of the run's processes in the worker's memory cgroup: memory_mb together
+                os.write(self.cgroup[0], str(os.getpid()).encode())
+            if self.hello["keyring"]:  # a fresh anonymous one: no key of the trainer's or of another run's
+                _keyctl(KEYCTL_JOIN_SESSION_KEYRING, 0)
             for fd, std in ((in_r, 0), (out_w, 1), (err_w, 2)):
                 os.dup2(fd, std)
             os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the worker's own pipes and files (RLIMIT_NOFILE is finite)
@@ -564,6 +631,8 @@ class _Runner:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after the uid switch, which clears it
             if os.getppid() != self.hello["pid"]:  # the worker died before the signal was armed
                 os._exit(127)
+            if self.seccomp is not None:  # last: the calls above are among those it denies
+                _seccomp(self.seccomp)
             python = self.config["python"]
             os.execve(python, [python, "-I", "-B", "-u", "-X", "utf8", "-c", BOOTSTRAP,
                                "1" if self.config["echo"] else "0"], ENV | {"HOME": scratch, "TMPDIR": scratch})
@@ -604,13 +673,19 @@ class _Runner:
                 os.chmod(os.path.join(d, name), 0o1777)
         if self.ipc:  # SysV shared memory, queues, semaphores: the IPC namespace is the worker's, they outlive runs
             _remove_ipc()
+        if self.mqueue:  # POSIX message queues, likewise: the files of this IPC namespace's mqueue file system
+            for name in os.listdir("/dev/mqueue"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/mqueue", name))
 
-    def _error(self, exit_code, timed_out, stderr, timeout_s):
+    def _error(self, exit_code, timed_out, stderr, timeout_s, oom=False):
         """Why the run did not end well, in one line (None if it did)."""
         if timed_out:
             return f"timed out after {timeout_s:g} s"
         if exit_code == 0:
             return None
+        if exit_code == -signal.SIGKILL and oom:
+            return f"killed: out of memory (the run's processes together may use {self.config['memory_mb']} MiB)"
         if exit_code < 0:
             sig = signal.Signals(-exit_code)
             if sig == signal.SIGXCPU:
@@ -708,34 +783,177 @@ def _can_become(uid):
 
 def _kill_uid(uid):
     """SIGKILL every process of uid: a helper switches to it and calls kill(-1), which signals every process it
-    may (those of its uid), itself excepted, in one pass that a fork cannot slip through."""
+    may (those of its uid), itself excepted, in one pass that a fork cannot slip through. Then it empties the
+    uid's user and user-session keyrings, which the kernel keeps past the uid's processes (the next run's)."""
     pid = os.fork()
     if pid == 0:
         try:
             os.setresuid(uid, uid, uid)
             os.kill(-1, signal.SIGKILL)
+            for which in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
+                with contextlib.suppress(OSError):  # (ENOKEY: never made, nothing to clear)
+                    _keyctl(KEYCTL_CLEAR, _keyctl(KEYCTL_GET_KEYRING_ID, which, 0))
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
 
 
-def _expose(paths):
-    """Make `paths` reachable by an unprivileged uid, in this mount namespace: every directory on the way that
-    others may not pass (mode without o+x, such as a 0700 /root) is covered by an empty tmpfs (mode 0711: no
-    listing) into which only the entries on the way are bind-mounted back. Returns the covered directories."""
-    keep = {}  # covered directory -> the names in it on the way to a path
-    for path in paths:
-        path = os.path.abspath(path)
-        beside = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))  # a link itself
-        for real in {os.path.realpath(path), beside}:
-            parts = real.strip("/").split("/")
-            for i in range(1, len(parts)):
-                d = "/" + "/".join(parts[:i])
-                if not os.stat(d).st_mode & stat.S_IXOTH:
-                    keep.setdefault(d, set()).add(parts[i])
-    for d in sorted(keep, key=lambda d: d.count("/")):  # outer first: an inner one is reached through its bind
-        _cover(d, keep[d], "mode=0711,size=1m")
-    return sorted(keep)
+def _memory_cgroup(memory_mb):
+    """A memory cgroup for this worker's runs, limited to memory_mb with no swap, in the trainer's own cgroup, or
+    beside it (cgroup v2 gives a cgroup with processes in it no children with controllers, unless its parent has
+    them on already). Returns (its path, an fd of its cgroup.procs, an fd of its OOM counter), or why not."""
+    mounts, own = {}, {}
+    with open("/proc/self/mountinfo") as f:
+        for fields in (line.split() for line in f):
+            fstype, options = fields[fields.index("-") + 1], fields[fields.index("-") + 3].split(",")
+            if fstype == "cgroup2" or fstype == "cgroup" and "memory" in options:
+                mounts.setdefault(fstype, (fields[3], fields[4]))  # (its root in the hierarchy, its mount point)
+    with open("/proc/self/cgroup") as f:
+        for hierarchy, controllers, path in (line.rstrip("\n").split(":", 2) for line in f):
+            if "memory" in controllers.split(","):
+                own["cgroup"] = path
+            elif hierarchy == "0" and not controllers:
+                own["cgroup2"] = path
+    why, size = "no memory cgroup hierarchy is mounted", memory_mb << 20
+    for kind in ("cgroup", "cgroup2"):  # v1's memory controller, where it is mounted, holds memory alone
+        if kind not in mounts or kind not in own:
+            continue
+        root, point = mounts[kind]
+        rel = os.path.relpath(own[kind], root)
+        if rel.startswith(".."):
+            continue
+        base = os.path.normpath(os.path.join(point, rel))
+        for parent in ((base, os.path.dirname(base)) if base != point else (base,)):
+            d = os.path.join(parent, f"sandbox-{os.getpid()}")
+            try:
+                if kind == "cgroup2":
+                    with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                        enabled = "memory" in f.read().split()
+                    if not enabled and parent != base:
+                        continue  # the trainer's parent's controllers are not ours to change
+                    if not enabled:
+                        with open(os.path.join(parent, "cgroup.subtree_control"), "w") as f:
+                            f.write("+memory")
+                os.makedirs(d, exist_ok=True)
+                limits = (("memory.limit_in_bytes", size), ("memory.memsw.limit_in_bytes", size)) if kind == "cgroup" \
+                    else (("memory.max", size), ("memory.swap.max", 0))
+                for i, (name, value) in enumerate(limits):
+                    if i == 0 or os.path.exists(os.path.join(d, name)):  # (no swap accounting: no swap file)
+                        with open(os.path.join(d, name), "w") as f:
+                            f.write(str(value))
+                counter = os.path.join(d, "memory.oom_control" if kind == "cgroup" else "memory.events")
+                return d, os.open(os.path.join(d, "cgroup.procs"), os.O_WRONLY), os.open(counter, os.O_RDONLY)
+            except OSError as e:
+                why = f"{d}: {e.strerror}"
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
+    return why
+
+
+def _oom_kills(cgroup):
+    """How many of the cgroup's processes its OOM killer has killed (the "oom_kill" line of its counter file)."""
+    if not cgroup:
+        return 0
+    for line in os.pread(cgroup[1], 1 << 14, 0).decode().splitlines():
+        if line.startswith("oom_kill "):
+            return int(line.split()[1])
+    return 0
+
+
+def _new_root(paths, config, uid, lack):
+    """Build the run's file system from nothing, in this mount namespace, and pivot into it: an empty tmpfs with
+    the system's directories (SYSTEM), the interpreter's `paths` and ETC bound in read-only, a passwd and a group,
+    the hidden directories that lie in those covered, a fresh /proc, /dev's DEVICES, the writable places (one
+    tmpfs of disk_mb bytes and max_files inodes) and a mqueue file system. Returns ({writable place: the names in
+    it bound from the host, kept by the cleaning}, whether /proc is a fresh one)."""
+    if os.uname().machine not in SYSCALLS:
+        raise OSError(errno.ENOSYS, f"pivot_root: no system call number for {os.uname().machine}")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # first: nothing mounted below reaches the host
+    binds, links = [], {"/var/lock": "../run/lock", "/var/run": "../run", "/dev/fd": "/proc/self/fd",
+                        **{f"/dev/{n}": f"/proc/self/fd/{i}" for i, n in enumerate(("stdin", "stdout", "stderr"))}}
+    for d in SYSTEM:
+        if os.path.islink(d):
+            links[d] = os.readlink(d)  # /lib -> usr/lib on a merged /usr
+        elif os.path.isdir(d):
+            binds.append(d)
+    binds += [os.path.realpath(p) for p in (*paths, *ETC) if os.path.exists(p)]
+    binds = [b for b in sorted(set(binds)) if not any(b.startswith(c.rstrip("/") + "/") for c in binds)]
+    held = {b: os.open(b, os.O_PATH) for b in binds}  # reach the host's files after the root is covered
+    devices = {n: os.open(f"/dev/{n}", os.O_PATH) for n in DEVICES if os.path.exists(f"/dev/{n}")}
+    new = "/tmp" if os.path.isdir("/tmp") else "/mnt"  # (any directory: the binds' sources are held above)
+    _mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m,nr_inodes=4096")
+    try:
+        for d in ("/proc", "/etc", "/dev/mqueue", *WRITABLE):
+            os.makedirs(new + d, exist_ok=True)
+        for link, target in links.items():
+            os.makedirs(os.path.dirname(new + link), exist_ok=True)
+            os.symlink(target, new + link)
+        for name, lines in (("passwd", ("root:x:0:0", f"sandbox:x:{uid}:{uid}", "nobody:x:65534:65534")),
+                            ("group", ("root:x:0:", f"sandbox:x:{uid}:", "nogroup:x:65534:"))):
+            with open(f"{new}/etc/{name}", "w") as f:
+                f.write("".join(line + ("::/tmp:/usr/sbin/nologin\n" if name == "passwd" else "\n") for line in lines))
+        for n in devices:
+            open(f"{new}/dev/{n}", "x").close()
+        places = {p: set() for p in WRITABLE}  # the interpreter's entries in them (a virtualenv in /tmp): later
+        later = [b for b in binds if any(b.startswith(p + "/") for p in WRITABLE)]
+        for b in binds:
+            if b not in later:
+                _bind(held[b], new + b)
+        for h in config["hide"]:  # a directory to hide inside something bound: covered, less the interpreter's
+            if any(h == b or h.startswith(b.rstrip("/") + "/") for b in binds) and os.path.isdir(new + h):
+                _cover(new + h, _names_under(h, binds), "mode=0755,size=1m,nr_inodes=1024")
+        _readonly_tree(new)  # every mount of it, as it is now
+        proc = True
+        try:  # a /proc of our own in which the runs' uid sees only its own processes (not the trainer)
+            _mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+            if "null" in devices:  # the kernel's command line (boot secrets, the host's layout) reads empty
+                _mount(f"/proc/self/fd/{devices['null']}", new + "/proc/cmdline", None, MS_BIND)
+        except OSError as e:
+            proc = False
+            lack(f"a private /proc ({e})", "the code has no /proc")
+        for n, fd in devices.items():  # (after the read-only pass: the nodes stay writable)
+            _mount(f"/proc/self/fd/{fd}", f"{new}/dev/{n}", None, MS_BIND)
+        store = new + WRITABLE[0]  # a mount point for the tmpfs until its own part covers it (last)
+        _mount("tmpfs", store, "tmpfs", MS_NOSUID | MS_NODEV,
+               f"mode=0700,size={config['disk_mb']}m,nr_inodes={config['max_files']}")
+        for i, p in enumerate(WRITABLE):
+            for d in (f".{i}", *(f".{i}/{name}" for name in SUBDIRS.get(p, ()))):
+                os.mkdir(os.path.join(store, d))
+                os.chmod(os.path.join(store, d), 0o1777)
+        for i in reversed(range(len(WRITABLE))):
+            _mount(os.path.join(store, f".{i}"), new + WRITABLE[i], None, MS_BIND)
+        for b in later:  # made in the place's tmpfs as root: the run cannot remove them, the cleaning keeps them
+            place = next(p for p in WRITABLE if b.startswith(p + "/"))
+            places[place].add(b[len(place) + 1:].split("/")[0])
+            _bind(held[b], new + b)
+            _readonly_tree(new + b)
+        try:  # this IPC namespace's POSIX message queues, as files: the cleaning removes them
+            _mount("mqueue", new + "/dev/mqueue", "mqueue", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        except OSError as e:
+            lack(f"a mqueue file system ({e})", "POSIX message queues of a run outlive it")
+        os.chdir(new)  # pivot_root(".", "."): the host's root lies on top of the new one, and is detached
+        _checked(_libc.syscall(ctypes.c_long(SYSCALLS[os.uname().machine][1]["pivot_root"]), b".", b"."),
+                 "pivot_root")
+        _checked(_libc.umount2(b".", ctypes.c_int(MNT_DETACH)), "umount2")
+        os.chdir("/")
+    except BaseException:
+        os.chdir("/")
+        _libc.umount2(new.encode(), ctypes.c_int(MNT_DETACH))  # back to the host's files, for weak isolation
+        raise
+    finally:
+        for fd in (*held.values(), *devices.values()):
+            os.close(fd)
+    return places, proc
+
+
+def _bind(fd, target):
+    """Bind what the O_PATH fd is (a directory or a file) at target, made first with its parents."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.makedirs(target, exist_ok=True)
+    elif not os.path.exists(target):
+        open(target, "x").close()
+    _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
 
 
 def _names_under(d, paths):
@@ -750,66 +968,11 @@ def _names_under(d, paths):
 
 def _cover(d, names, options):
     """Mount a fresh tmpfs over directory d, binding back its entries `names` (only those stay reachable)."""
-    held = _hold(d, names)
+    held = {n: os.open(os.path.join(d, n), os.O_PATH) for n in sorted(names) if os.path.lexists(os.path.join(d, n))}
     _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, options)
-    _bind_back(d, held)
-
-
-def _hold(d, names):
-    """O_PATH handles on the entries `names` of d, taken before d is covered (they reach what lies beneath)."""
-    return {n: os.open(os.path.join(d, n), os.O_PATH) for n in sorted(names) if os.path.lexists(os.path.join(d, n))}
-
-
-def _bind_back(d, held):
     for name, fd in held.items():
-        spot = os.path.join(d, name)
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            os.mkdir(spot)
-        else:
-            open(spot, "x").close()
-        _mount(f"/proc/self/fd/{fd}", spot, None, MS_BIND | MS_REC)
+        _bind(fd, os.path.join(d, name))
         os.close(fd)
-
-
-def _hide(dirs, paths, lack):
-    """Cover each directory of dirs (the checkout, the run_dir, the data) with an empty tmpfs, bound back in only
-    what of `paths` (the interpreter's) lies in it: code that looks for the labels finds nothing to read. Returns
-    the directories covered; one that cannot be is missing isolation (lack)."""
-    done = []
-    for d in sorted(dirs, key=lambda d: d.count("/")):  # outer first: an inner one under it is hidden with it
-        if any(d.startswith(h + "/") for h in done) or not os.path.isdir(d):
-            continue  # hidden already (under one covered just now, or under a 0700 directory _expose covered)
-        try:
-            _cover(d, _names_under(d, paths), "mode=0755,size=1m,nr_inodes=1024")
-            done.append(d)
-        except OSError as e:
-            lack(f"hiding {d} ({e})", "the code can read what is in it")
-    return done
-
-
-def _writable(paths, disk_mb, max_files):
-    """Mount one fresh tmpfs (disk_mb bytes, max_files inodes: together they cap what a run can write, in bytes
-    and in files) and bind a directory of it (mode 1777) over each place of WRITABLE, with the interpreter's
-    entries there (a virtualenv in /tmp) bound back in, read-only as the rest. Returns {place: names bound back}."""
-    places = []
-    for p in WRITABLE:
-        p = os.path.realpath(p)
-        if os.path.isdir(p) and not any(p == q or p.startswith(q + "/") for q in places):
-            places.append(p)
-    held = {p: _hold(p, _names_under(p, paths)) for p in places}  # before anything covers them
-    store = places[0]  # a mount point for the tmpfs until its own part covers it (last)
-    _mount("tmpfs", store, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,size={disk_mb}m,nr_inodes={max_files}")
-    for i, p in enumerate(places):
-        part = os.path.join(store, f".{i}")
-        os.mkdir(part)
-        os.chmod(part, 0o1777)
-        _bind_back(part, held[p])
-        for name in SUBDIRS.get(p, ()):
-            os.mkdir(os.path.join(part, name))
-            os.chmod(os.path.join(part, name), 0o1777)
-    for i in reversed(range(len(places))):
-        _mount(os.path.join(store, f".{i}"), places[i], None, MS_BIND | MS_REC)
-    return {p: set(held[p]) for p in places}
 
 
 def _readonly_tree(path):
@@ -836,11 +999,32 @@ def _readonly_tree(path):
 # ----------------------------------------------------------------------------- Linux calls (ctypes: os.unshare is 3.12)
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x08000000, 0x10000000, 0x40000000
+CLONE_NEW_ANY = 0x7E020000  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET: clone's flags
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_BIND, MS_REC, MS_PRIVATE, MNT_DETACH = 4096, 16384, 1 << 18, 2
 SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1  # (442 on every architecture)
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 22, 36, 38
 CAP_SYS_RESOURCE, IPC_RMID = 24, 0
+KEYCTL_GET_KEYRING_ID, KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR = 0, 1, 7
+KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
+# The seccomp filter: what it denies with EPERM, and the numbers of those and of the calls it looks into, per
+# machine (x86-64's from arch/x86/entry/syscalls/syscall_64.tbl, aarch64's from asm-generic/unistd.h).
+DENIED = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen",
+          "fsconfig", "fsmount", "fspick", "mount_setattr", "keyctl", "add_key", "request_key", "bpf",
+          "perf_event_open", "userfaultfd", "ptrace", "process_vm_readv", "process_vm_writev", "io_uring_setup",
+          "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff",
+          "reboot", "acct", "syslog", "name_to_handle_at", "open_by_handle_at")
+SYSCALLS = {machine: (arch, dict(zip((*DENIED, "clone", "clone3", "socket", "socketpair"), numbers, strict=True)))
+            for machine, arch, numbers in (
+    ("x86_64", 0xC000003E, (272, 308, 165, 166, 155, 161, 428, 429, 430, 431, 432, 433, 442, 250, 248, 249, 321, 298,
+                            323, 101, 310, 311, 425, 246, 320, 175, 313, 176, 167, 168, 169, 163, 103, 303, 304,
+                            56, 435, 41, 53)),
+    ("aarch64", 0xC00000B7, (97, 268, 40, 39, 41, 51, 428, 429, 430, 431, 432, 433, 442, 219, 217, 218, 280, 241,
+                             282, 117, 270, 271, 425, 104, 294, 105, 273, 106, 224, 225, 142, 89, 116, 264, 265,
+                             220, 435, 198, 199)))}  # (AUDIT_ARCH_X86_64, AUDIT_ARCH_AARCH64)
+X32_BIT, AF_UNIX, AF_INET, AF_INET6 = 0x40000000, 1, 2, 10
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x45, 0x06
+RET_KILL_PROCESS, RET_ERRNO, RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -859,8 +1043,72 @@ def _mount(source, target, fstype, flags, data=None):
     _checked(_libc.mount(args[0], args[1], args[2], ctypes.c_ulong(flags), args[3]), f"mount {target}")
 
 
-def _prctl(option, value):
-    _checked(_libc.prctl(ctypes.c_int(option), *(ctypes.c_ulong(v) for v in (value, 0, 0, 0))), "prctl")
+def _prctl(option, *values):
+    values = (*values, 0, 0, 0, 0)[:4]
+    _checked(_libc.prctl(ctypes.c_int(option), *(ctypes.c_ulong(v) for v in values)), "prctl")
+
+
+def _keyctl(*args):
+    """keyctl(2) (glibc has no wrapper): its result, or OSError."""
+    if os.uname().machine not in SYSCALLS:
+        raise OSError(errno.ENOSYS, f"keyctl: no system call number for {os.uname().machine}")
+    ret = _libc.syscall(ctypes.c_long(SYSCALLS[os.uname().machine][1]["keyctl"]), *(ctypes.c_long(a) for a in args))
+    if ret < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"keyctl: {os.strerror(code)}")
+    return ret
+
+
+def _seccomp_program(machine):
+    """The filter, as the bytes of its struct sock_filter array: classic BPF over struct seccomp_data (nr at
+    offset 0, arch at 4, args from 16, 8 bytes each, the low half first on these little-endian machines); jumps
+    go forward only. None for a machine not in SYSCALLS."""
+    if machine not in SYSCALLS:
+        return None
+    arch, nr = SYSCALLS[machine]
+    prog, labels = [], {}
+
+    def op(code, k, jt=None, jf=None):  # jt/jf: a label below, or None (the next instruction)
+        prog.append((code, jt, jf, k))
+
+    op(BPF_LD_W_ABS, 4)
+    op(BPF_JEQ_K, arch, None, "kill")  # another ABI (i386 on x86-64, arm32 on aarch64): killed
+    op(BPF_LD_W_ABS, 0)
+    if machine == "x86_64":
+        op(BPF_JSET_K, X32_BIT, "eperm")  # the x32 ABI's numbers (nr | 0x40000000)
+    for name in DENIED:
+        op(BPF_JEQ_K, nr[name], "eperm")
+    op(BPF_JEQ_K, nr["clone3"], "enosys")  # its flags lie in memory the filter cannot read: glibc then uses clone
+    op(BPF_JEQ_K, nr["clone"], "clone")
+    op(BPF_JEQ_K, nr["socket"], "socket")
+    op(BPF_JEQ_K, nr["socketpair"], "socket")
+    op(BPF_RET_K, RET_ALLOW)
+    labels["clone"] = len(prog)  # clone(flags, ...): no new namespace
+    op(BPF_LD_W_ABS, 16)
+    op(BPF_JSET_K, CLONE_NEW_ANY, "eperm")
+    op(BPF_RET_K, RET_ALLOW)
+    labels["socket"] = len(prog)  # socket(family, ...): unix and IP only (IP reaches the namespace's loopback)
+    op(BPF_LD_W_ABS, 16)
+    for family in (AF_UNIX, AF_INET, AF_INET6):
+        op(BPF_JEQ_K, family, "allow")
+    op(BPF_RET_K, RET_ERRNO | errno.EAFNOSUPPORT)
+    for label, ret in (("eperm", RET_ERRNO | errno.EPERM), ("enosys", RET_ERRNO | errno.ENOSYS),
+                       ("allow", RET_ALLOW), ("kill", RET_KILL_PROCESS)):
+        labels[label] = len(prog)
+        op(BPF_RET_K, ret)
+    return b"".join(struct.pack("=HBBI", code, 0 if jt is None else labels[jt] - i - 1,
+                                0 if jf is None else labels[jf] - i - 1, k) for i, (code, jt, jf, k) in enumerate(prog))
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+
+def _seccomp(program):
+    """Install the filter on this process (after no_new_privs): it holds for it and all it starts, past exec."""
+    fprog = _SockFprog(len(program) // 8, program)
+    _checked(_libc.prctl(ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(2), ctypes.byref(fprog), ctypes.c_ulong(0),
+                         ctypes.c_ulong(0)), "seccomp")  # (2: SECCOMP_MODE_FILTER)
 
 
 if __name__ == "__main__":

@@ -141,8 +141,8 @@ class PythonMath:
     def setup(cls, *, workers=8, timeout_s=10.0, memory_mb=2048, max_procs=32, max_output_chars=MAX_OUTPUT_CHARS,
               answer_line=False, hide=(), isolation="strict", wait_s=30.0):
         """Start this process's sandbox (closing one started before): `workers` runs at once, each with
-        timeout_s, memory_mb of address space per process, max_procs processes, and max_output_chars of
-        output kept (per stream by the sandbox, then of the whole message). answer_line: a final "Answer: ..."
+        timeout_s, memory_mb for a run's processes together (each one's address space too), max_procs processes,
+        and max_output_chars of output kept (per stream by the sandbox, then of the whole message). answer_line: a final "Answer: ..."
         line is an answer too (DAPO's prompts ask for one; data.math_reward's answer_line grades it).
         hide: more paths the code must not read (a run_dir or data files outside the working directory), on top
         of the checkout, the working directory (runs/ lies in it) and the Hugging Face cache (the datasets).
