@@ -96,7 +96,9 @@ def group_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
     adv = r - r.mean(dim=1, keepdim=True)
     if std_normalize and group_size > 1:  # one sample has no spread; its advantage is 0 anyway
         adv = adv / (r.std(dim=1, keepdim=True) + eps)
-    return adv.view(-1)
+    # exactly 0 for a constant group: a mean that float32 rounds ([3.7] * 16) would leave residues, and the std's
+    # eps would blow them up to ~0.2
+    return torch.where((r == r[:, :1]).all(dim=1, keepdim=True), 0.0, adv).view(-1)
 
 
 def fresh_mask(sample_versions, current_version, max_staleness):

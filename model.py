@@ -80,6 +80,11 @@ class GLMConfig:
     model_type: str = "glm4"
     mla: "MLAConfig | None" = None  # noqa: F821 (families/mla_moe.py's)
     moe: "MoEConfig | None" = None  # noqa: F821
+    # Multi-token-prediction layers after the decoder (config.json's num_nextn_predict_layers; families/mtp.py):
+    # layer num_layers + j drafts token t+2+j. mtp_own_embeddings: they keep their own embedding and head (a checkpoint
+    # whose copies differ from the main model's; load_pretrained decides), else they use the main model's
+    mtp_layers: int = 0
+    mtp_own_embeddings: bool = False
 
     def __post_init__(self):
         if isinstance(self.dsa, dict):
@@ -87,6 +92,8 @@ class GLMConfig:
         if isinstance(self.eos_token_id, int):
             self.eos_token_id = [self.eos_token_id]
         family(self.model_type).post_init(self)  # the family's defaults and checks (GLM-4's: _glm4_post_init)
+        if not isinstance(self.mtp_layers, int) or isinstance(self.mtp_layers, bool) or self.mtp_layers < 0:
+            raise ValueError(f"mtp_layers (num_nextn_predict_layers) must be an integer >= 0, got {self.mtp_layers!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.rope_dim % 2:
@@ -145,7 +152,7 @@ def _glm4_from_hf(cls, d: dict, rope: dict) -> GLMConfig:
         tie_word_embeddings=d.get("tie_word_embeddings", False),
         max_position_embeddings=d.get("max_position_embeddings", 32768),
         pad_token_id=d.get("pad_token_id"), eos_token_id=d.get("eos_token_id") or [],
-        bos_token_id=d.get("bos_token_id"), dsa=d.get("dsa"),
+        bos_token_id=d.get("bos_token_id"), dsa=d.get("dsa"), mtp_layers=d.get("num_nextn_predict_layers", 0),
     )
 
 
@@ -161,6 +168,7 @@ def _glm4_to_hf(cfg: GLMConfig) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
         "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
         "pad_token_id": cfg.pad_token_id, "eos_token_id": cfg.eos_token_id, "bos_token_id": cfg.bos_token_id,
+        **({"num_nextn_predict_layers": cfg.mtp_layers} if cfg.mtp_layers else {}),
     }
     if cfg.dsa is not None:
         d["dsa"] = asdict(cfg.dsa)
@@ -469,6 +477,7 @@ class GLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.mtp = mtp_module().layers(cfg) if cfg.mtp_layers else None  # families/mtp.py's MTP layers, {"L + j": layer}
         self.gradient_checkpointing = False  # recompute each block in backward (learner memory option)
         if not meta:
             self.apply(fam.init_weights)
@@ -484,7 +493,8 @@ class GLM(nn.Module):
         indexer_loss: None, "dense" (warm-up: dense attention, KL on all keys) or "sparse" (top-k
             attention, KL on the selected keys); then returns (logits, indexer KL averaged over F layers).
         return_hidden: return the final normed hidden states [B, T, hidden] instead of logits (the
-            learner applies lm_head in chunks to keep [T, vocab] logits out of memory).
+            learner applies lm_head in chunks to keep [T, vocab] logits out of memory); "trunk": the last
+            block's output before the final norm, which the MTP layers read (families/mtp.py; norm(it) is True's).
         keep: the positions [K] (a LongTensor or a slice along T) whose outputs are wanted, the others
             serving only as context (a prompt, the token after the last scored one): the last block's
             output projection and MLP, the final norm and lm_head run on those alone (a decode step's
@@ -541,7 +551,7 @@ class GLM(nn.Module):
                 kls.append(kl)
         if cache is not None:
             cache.length = past + T
-        x = self.norm(x)
+        x = x if return_hidden == "trunk" else self.norm(x)
         out = x if return_hidden else self.lm_head(x)
         if indexer_loss is not None:
             return out, torch.stack(kls).mean()
@@ -566,9 +576,9 @@ class GLM(nn.Module):
     # the forward's callers hand it and the engine's cache)
 
     @classmethod
-    def from_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, weights=True) -> "GLM":
+    def from_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, weights=True, mtp=None) -> "GLM":
         """Load an HF directory: load_pretrained, below."""
-        return load_pretrained(cls, path, dsa, dtype, device, shard, weights)
+        return load_pretrained(cls, path, dsa, dtype, device, shard, weights, mtp)
 
     def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
         """Write an HF directory: save_pretrained, below."""
@@ -699,15 +709,16 @@ class PagedKVCache:
         Attention.paged_decode reads (so DSA's ties follow positions, as in the learner, not slots).
     One block more than num_blocks is never handed out: its first slot, `scratch`, is where the padding
     rows of a CUDA-graph bucket write and read. (MLA models, families/mla_moe.py: `k` holds each token's
-    latent [N, cfg.kv_width], `v` is empty: the shapes are Family.kv_shapes'.)"""
+    latent [N, cfg.kv_width], `v` is empty: the shapes are Family.kv_shapes'.) mtp: the pool also holds the
+    MTP layers' keys, as layers num_layers + j (families/mtp.py: speculative decoding's drafts)."""
 
-    def __init__(self, cfg: GLMConfig, num_blocks: int, block_size: int, device=None, dtype=torch.float32):
+    def __init__(self, cfg: GLMConfig, num_blocks: int, block_size: int, device=None, dtype=torch.float32, mtp=False):
         N = (num_blocks + 1) * block_size
         fam = family(cfg.model_type)
         k, v = fam.kv_shapes(cfg)
-        self.k = [torch.zeros(N, *k, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(N, *v, device=device, dtype=dtype) for _ in range(cfg.num_layers)] if v else []
-        kinds = cfg.dsa.layer_kinds(cfg.num_layers) if cfg.dsa else "." * cfg.num_layers
+        kinds = cache_kinds(cfg, mtp)  # one per layer the pool holds
+        self.k = [torch.zeros(N, *k, device=device, dtype=dtype) for _ in kinds]
+        self.v = [torch.zeros(N, *v, device=device, dtype=dtype) for _ in kinds] if v else []
         self.index_k = [torch.zeros(N, cfg.dsa.head_dim, device=device, dtype=dtype) if kind == "F" else None
                         for kind in kinds]
         self.num_blocks, self.block_size, self.scratch = num_blocks, block_size, num_blocks * block_size
@@ -729,9 +740,16 @@ class PagedKVCache:
         return new
 
 
+def cache_kinds(cfg: GLMConfig, mtp=False) -> str:
+    """The layers a cache holds, one character each: the decoder's DSA kinds (F, S, or "." without DSA), then with
+    mtp the MTP layers' (an F: each has its own indexer, families/mtp.py)."""
+    n = cfg.mtp_layers if mtp else 0
+    return (cfg.dsa.layer_kinds(cfg.num_layers) + "F" * n) if cfg.dsa else "." * (cfg.num_layers + n)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
-def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, weights=True) -> GLM:
+def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, weights=True, mtp=None) -> GLM:
     """Load an HF directory. dsa: None keeps the checkpoint's own setting (dense for a GLM-4
     checkpoint), a dict (or DSAConfig) turns DSA on, False turns it off. dtype (default bf16 on
     CUDA, else fp32) applies to every weight but dsa.FP32_PARAMS, which stay fp32. weights=False: the
@@ -748,7 +766,12 @@ def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, we
     indexer (`F`) takes the checkpoint's indexer for that layer when the file has one, and only the
     layers without one are freshly initialised (we say which); indexer tensors of layers that are
     `S` now (or of any layer, loading dense) are dropped, with one line. Any other missing,
-    unexpected or misshapen tensor is an error naming it."""
+    unexpected or misshapen tensor is an error naming it.
+
+    mtp: the multi-token-prediction layers to have (GLMConfig.mtp_layers; None: the checkpoint's own). Fewer
+    than the file holds drops the rest, more initialises the missing ones fresh, each said in one line; the
+    files' copies of the embedding and head in them are checked against the main model's (families/mtp.py's
+    MTPLoad)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face model directory)")
@@ -757,6 +780,9 @@ def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, we
     fam = family(cfg.model_type)  # GLM-4's (or, say, families/mla_moe.py's: experts stored per expert)
     if dsa is not None:
         cfg = fam.with_dsa(cfg, dsa)
+    files, dropped = _safetensors_files(path), set()
+    mtp_load = mtp_module().load(cfg, mtp, files, path) if cfg.mtp_layers or mtp else None  # families/mtp.py's MTPLoad
+    cfg, files = (mtp_load.cfg, mtp_load.files) if mtp_load else (cfg, files)
     dtype = dtype or (torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32)
 
     with torch.device("meta"):
@@ -769,7 +795,7 @@ def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, we
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
     expected = fam.file_names(expected, cfg)  # (MoE: the files hold each expert's matrices, we one [E, ...])
-    files, dropped = _safetensors_files(path), set()
+    expected = mtp_load.names(expected) if mtp_load else expected  # (the MTP layers' copies of embedding and head)
     for file, names in files.items():  # check names and shapes from the headers before allocating
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in names:
@@ -797,6 +823,7 @@ def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, we
     if cfg.tie_word_embeddings and shard is None:  # to_empty made two tensors of the tied one
         model.lm_head.weight = model.embed_tokens.weight
     params = fam.file_names({hf_name(n): p for n, p in model.state_dict(keep_vars=True).items()}, cfg)
+    params = mtp_load.names(params) if mtp_load else params
     with torch.no_grad():
         for file, names in files.items():
             with safe_open(file, framework="pt", device="cpu") as f:
@@ -805,6 +832,7 @@ def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, we
                         _copy_rows(params[name], lambda rows, f=f, name=name: f.get_slice(name)[rows])
     if fresh:
         _init_indexers(params, cfg, fresh, path)
+    _ = mtp_load and mtp_load.finish(model)  # MTP layers the file lacks: initialised fresh (one line says which)
     if dropped:
         print(f"[model] {path}: ignored the checkpoint's indexer weights of layer(s) {_ranges(dropped)} "
               f"({'dense attention' if cfg.dsa is None else 'S layers in pattern ' + cfg.dsa.pattern})")
@@ -838,6 +866,7 @@ def _write(model: GLM, tmp, max_shard_bytes):
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = family(model.cfg.model_type).to_files(state, model.cfg)  # (MoE: each expert's matrices apart)
+    state = mtp_module().to_files(state, model.cfg) if model.cfg.mtp_layers else state  # (copies of embedding, head)
     shards, size = [{}], 0
     for name, t in state.items():
         nbytes = t.numel() * t.element_size()
@@ -857,8 +886,9 @@ def _write(model: GLM, tmp, max_shard_bytes):
 
 
 def hf_name(name: str) -> str:
-    """Our parameter names are transformers' without the `model.` prefix of the decoder."""
-    return name if name.startswith("lm_head.") else "model." + name
+    """Our parameter names are transformers' without the `model.` prefix of the decoder; the MTP layers' (GLM.mtp,
+    keyed by their layer number) are the files' layers after the decoder's."""
+    return name if name.startswith("lm_head.") else "model." + ("layers." + name[4:] if name.startswith("mtp.") else name)
 
 
 def _safetensors_files(path) -> dict[str, list[str]]:
@@ -949,6 +979,19 @@ def _write_shards(tmp, shards: list[dict]):
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
+# The multi-token-prediction layers' module (families/mtp.py), which sets this on import: GLM builds its MTP layers,
+# load_pretrained and save_pretrained handle their tensors through it
+MTP = None
+
+
+def mtp_module():
+    """families/mtp.py (MTP), or one line saying which import provides it."""
+    if MTP is None:
+        raise ValueError("a model with multi-token-prediction layers (mtp_layers, num_nextn_predict_layers) needs "
+                         "families/mtp.py: import families first")
+    return MTP
+
+
 def our_name(name: str) -> str:
     return name if name.startswith("lm_head.") else name.removeprefix("model.")
 
@@ -983,14 +1026,16 @@ class KVCache:
     """Preallocated per-layer keys/values [B, S, Hkv, D] (and indexer keys [B, S, d_I] on DSA `F`
     layers). Every row writes its new tokens into the same slots; padding slots are masked out by
     `key_mask`, so left- and right-padded batches both work. (MLA models, families/mla_moe.py: `k` holds
-    each token's latent [B, S, cfg.kv_width] and `v` is empty: the shapes are Family.kv_shapes'.)"""
+    each token's latent [B, S, cfg.kv_width] and `v` is empty: the shapes are Family.kv_shapes'.) mtp: the MTP
+    layers' too, as layers num_layers + j, which fill their slots one token behind the decoder's (families/mtp.py),
+    so they count theirs in `mtp_length`."""
 
-    def __init__(self, cfg: GLMConfig, batch: int, max_len: int, device=None, dtype=torch.float32):
+    def __init__(self, cfg: GLMConfig, batch: int, max_len: int, device=None, dtype=torch.float32, mtp=False):
         k, v = family(cfg.model_type).kv_shapes(cfg)
-        self.k = [torch.zeros(batch, max_len, *k, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(batch, max_len, *v, device=device, dtype=dtype)
-                  for _ in range(cfg.num_layers)] if v else []
-        kinds = cfg.dsa.layer_kinds(cfg.num_layers) if cfg.dsa else "." * cfg.num_layers
+        kinds = cache_kinds(cfg, mtp)
+        self.k = [torch.zeros(batch, max_len, *k, device=device, dtype=dtype) for _ in kinds]
+        self.v = [torch.zeros(batch, max_len, *v, device=device, dtype=dtype) for _ in kinds] if v else []
+        self.mtp_length = 0
         self.index_k = [torch.zeros(batch, max_len, cfg.dsa.head_dim, device=device, dtype=dtype)
                         if kind == "F" else None for kind in kinds]
         self.key_mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)

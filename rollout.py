@@ -13,7 +13,8 @@ finishes with the reward hook,
 response_text is the completion decoded without
 special tokens, example the prompt's whole JSONL object, every field kept, with "prompt" and "label"), on a
 worker thread with a deadline, rollout.env_timeout_s, that the generator waits for: a reward that raises, hangs
-or is not a finite number fails its trajectory, never the run. The groups go to the learner as a RolloutBatch.
+or is not a finite number within env.REWARD_LIMIT fails its trajectory, never the run. The groups go to the
+learner as a RolloutBatch.
 The calls: the learner's get (then, after its step, publish and open); the thread's _run -> _make_batch -> _rounds
 (one round by default) -> _generate_groups -> play -> play_single_turn, then _sample for each trajectory.
 
@@ -178,7 +179,7 @@ def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, lim
 
 
 def _reward(fn, text, example):
-    return env.reward_value(fn(text, example))  # a float, or ValueError: not a finite number
+    return env.reward_value(fn(text, example))  # a float, or ValueError: not a finite number within +-REWARD_LIMIT
 
 
 def single_turn(reward_fn):
@@ -234,7 +235,7 @@ class Generator:
         self.env_cls, self.limits = env_cls, env.limits_of(r, sampling.max_new_tokens)
         self.seed, self.partial_rollout, self.truncated = seed, r.partial_rollout, r.truncated
         self.max_failures, self.run_dir, self.dump_fraction = r.max_failure_fraction, run_dir, r.dump_fraction
-        self.rank, self.seen_failures, self.close_failures = rank, set(), 0
+        self.rank, self.seen_failures, self.close_failures, self.spec_seen = rank, set(), 0, {}
         self.index_of = {id(ex): rank + world * i for i, ex in enumerate(stream.examples)}
         self.queue = queue.Queue(maxsize=self.max_staleness + 1)
         for batch in ready:
@@ -455,7 +456,7 @@ class Generator:
         }
         if not issubclass(self.env_cls, SingleTurn):  # (the reward hook has no close: single-turn rows stay as is)
             metrics["rollout/env_close_failures"] = self.close_failures  # counted apart: they changed no trajectory
-        return metrics
+        return metrics | speculation_metrics(self.engine, self.spec_seen)
 
     def _dump(self, episodes):
         """A sampled fraction of the batch's trajectories (the same ones on a rerun: the draws are seeded by the
@@ -520,6 +521,24 @@ def batch_groups(r: Rounds, want: int):
     kept, surplus = r.kept[:want], r.kept[want:]
     top_up = r.spare[:want - len(kept)]
     return kept + top_up, len(r.spare) - len(top_up) + len(surplus)
+
+
+SPEC_STATS = ("spec_drafts", "spec_accepted", "spec_tokens", "spec_rows", "spec_draft_s", "spec_verify_s")
+
+
+def speculation_metrics(engine, seen: dict) -> dict:
+    """A batch's speculative decoding (rollout.speculative_tokens; machinery/speculative.py), from the engine's
+    counters since the last batch (`seen`: the counters then, updated here; an eval between them counts too): the share of drafted tokens accepted,
+    the tokens emitted per row of a verify forward (1 + the accepted drafts), and the seconds the drafter and the
+    verify forwards took. {} without speculation."""
+    stats = getattr(engine, "stats", {})
+    if not stats.get("spec_verifies"):
+        return {}
+    d = {k: stats[k] - seen.get(k, 0) for k in SPEC_STATS}
+    seen |= {k: stats[k] for k in SPEC_STATS}
+    return {"rollout/spec_accept_rate": d["spec_accepted"] / max(1, d["spec_drafts"]),
+            "rollout/spec_tokens_per_verify": d["spec_tokens"] / max(1, d["spec_rows"]),
+            "perf/spec_draft_s": d["spec_draft_s"], "perf/spec_verify_s": d["spec_verify_s"]}
 
 
 def informative_groups(groups) -> int:

@@ -213,6 +213,8 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
         idx = list(idx)
         adv[idx] = grpo.group_advantages([samples[i].reward for i in idx], len(idx), g.std_normalize)
     kept = [i for i, s in enumerate(samples) if not s.masked]
+    if cfg.distill.teacher:  # distillation keeps a cut sample, at outcome advantage 0 (variants.py says why)
+        kept, adv = variants.keep_cut(samples, adv)
     samples, adv = [samples[i] for i in kept], adv[kept]
     metrics = {"staleness/max": max(ages, default=0), "staleness/mean": sum(ages) / max(1, len(ages)),
                "staleness/dropped": len(batch.samples) - len(ages), "train/masked": len(ages) - len(samples),

@@ -27,7 +27,8 @@ no longer than DSA's top-k (a check that they hold the same weights).
    on an RL-shaped batch, twice: `rl_step, routes replayed` (each sample carries routes recorded by one forward of
    the same model, as the generator records them, and model.routing_replay: rollout, the default, replays them;
    rl_step then also runs its routing/* diagnostic, one no-grad forward of the first micro-batch routed afresh)
-   and `rl_step, fresh routes` (samples without routes: the router decides, no diagnostic). Against it,
+   and `rl_step, fresh routes` (samples without routes: the router decides; the diagnostic's extra no-grad forward runs too, and
+   reports only routing/unrecorded). Against it,
    transformers' model on the same sequences right-padded into one batch (--hf-rows sequences at a time,
    gradients accumulated), the response tokens' log-probabilities, the same policy-gradient sum, backward, gradient
    clipping and the same AdamW (bench/learner.py's hf part). Generator log-probabilities are the model's own (one

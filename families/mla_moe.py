@@ -170,6 +170,7 @@ def _latent_from_hf(cls, d: dict, rope: dict) -> GLMConfig:
         attention_bias=d.get("attention_bias", False), tie_word_embeddings=d.get("tie_word_embeddings", False),
         max_position_embeddings=d.get("max_position_embeddings", 202752), pad_token_id=d.get("pad_token_id"),
         eos_token_id=d.get("eos_token_id") or [], bos_token_id=d.get("bos_token_id"), dsa=dsa_cfg,
+        mtp_layers=d.get("num_nextn_predict_layers", 0),  # (families/mtp.py: model.layers.{L}.* in the files)
         mla=MLAConfig(**{k: d[k] for k in MLAConfig.__dataclass_fields__ if k in d}),
         moe=MoEConfig(**{k: d[k] for k in MoEConfig.__dataclass_fields__ if k in d and k != "mlp_layer_types"},
                       mlp_layer_types=list(d.get("mlp_layer_types") or ["dense"] * n_dense + ["sparse"] * (L - n_dense))),
@@ -187,6 +188,7 @@ def _latent_to_hf(cfg: GLMConfig) -> dict:
         "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias,
         "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
         "pad_token_id": cfg.pad_token_id, "eos_token_id": cfg.eos_token_id, "bos_token_id": cfg.bos_token_id,
+        "num_nextn_predict_layers": cfg.mtp_layers,
     }
     if cfg.model_type == "glm_moe_dsa":
         kinds = cfg.dsa.layer_kinds(cfg.num_layers)
@@ -514,7 +516,10 @@ class MoE(nn.Module):
         """forward() with the forward's Routing: x [B, T | K, hidden] (K: the last block's kept
         positions `keep` along T) takes its replayed ids, and leaves its choice and agreement there. In the engine's
         forwards (cache: a PagedKVCache with `routes`) the choice is also written beside each token's KV, at its
-        slot: routing replay's record of the generator, which a CUDA graph's replay writes as well."""
+        slot: routing replay's record of the generator, which a CUDA graph's replay writes as well. An MTP layer's MoE
+        (index None, families/mtp.py) records nothing: its drafts are never replayed."""
+        if self.index is None:
+            return self(x)[0]
         replay = None
         if routing is not None and routing.replay is not None:
             replay = routing.replay[self.index]

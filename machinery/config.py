@@ -53,9 +53,17 @@ class ModelConfig:
     # rollout routing replay, verl's R3) keeps the learner on the generator's computation, while the router's
     # weight still learns through the weights it gives the replayed experts (in full fine-tuning: under model.lora
     # the router stays frozen). routing/* in metrics.jsonl shows the agreement and the learner-generator gap with
-    # and without. The router's score-correction bias (a buffer the pre-training balancer nudged, never a
-    # gradient's) stays as loaded. Dense models ignore this key
+    # and without, and routing/unrecorded the share of samples that carried no routes (their tokens route afresh).
+    # The router's score-correction bias (a buffer the pre-training balancer nudged, never a gradient's) stays as
+    # loaded. Dense models ignore this key
     routing_replay: str = "rollout"
+    # Multi-token-prediction layers (families/mtp.py; config.json's num_nextn_predict_layers): null keeps the
+    # checkpoint's own (GLM-4.7-Flash and GLM-5 ship one, GLM-Z1-9B none), 0 drops them on load, more adds fresh ones
+    # (model.init: a fresh model with that many). They draft tokens for speculative decoding and train on the MTP loss
+    mtp_layers: int | None = None
+    # The MTP loss's weight beside the RL objective (families/mtp.py's mtp_loss(..., scale=); slime's
+    # --mtp-loss-scaling-factor 0.2); it trains the MTP layers alone (the trunk's hidden states detached)
+    mtp_loss_scale: float = 0.2
 
 
 @dataclass
@@ -101,7 +109,9 @@ class RolloutConfig:
     # its reward still in its group's mean and std; DAPO's overlong filtering). The recipe masks: a cut
     # response's reward says little about its reasoning (a sound chain that ran out of room scores like a wrong
     # one), and DAPO found training on that noise less stable than filtering it out. rollout/truncated and
-    # train/masked show how much of a batch it drops. Eval always reports the grader's reward.
+    # train/masked show how much of a batch it drops. Eval always reports the grader's reward. With distill.teacher
+    # a cut response stays in the loss under mask for distillation's per-token term (the teacher scored each of its
+    # tokens: no noise the cut made), at outcome advantage 0 (variants.keep_cut); a void one still leaves.
     truncated: str = "mask"
     # Multi-turn episodes (data.env; env.py): at most this many model turns, and this many tokens after the prompt,
     # model and env together (null: max_new_tokens; eval: eval_max_new_tokens). A trajectory cut by either ends
@@ -110,12 +120,16 @@ class RolloutConfig:
     max_total_tokens: int | None = None  # tokens after the prompt, model and env (null: one turn's max_new_tokens)
     max_env_chars: int = 4096  # each env message's content is cut to this many characters before rendering
     # A call into the env (or the reward hook) that runs longer than env_timeout_s fails its trajectory; a call that
-    # waits for a thread (64 run calls at once) starts as soon as one is free (a stuck one is replaced at once). Once 8
-    # calls in a row time out, none answering, the env is down: until a call answers, each call gets env_timeout_s / 10
-    # from its submission. So every call ends within env_timeout_s of its start, and an env that hangs on every call
-    # costs a batch one or two env_timeout_s, then a tenth of it per engine iteration that ends turns (not a whole one
-    # per call or turn): its calls all fail and the run stops with one line (max_failure_fraction). A close() that
-    # fails or times out changes no trajectory (it is counted in rollout/env_close_failures)
+    # waits for a thread (64 run calls at once) starts as soon as one is free (a stuck one is replaced at once). A call
+    # that times out, no call of its kind (MyEnv.step; __init__, reset and close are kinds of their own) having answered
+    # while it ran, puts that kind down: until one of its calls answers, each call of it gets env_timeout_s / 10 from
+    # its submission, and one still queued then never starts. So every call ends within env_timeout_s of its start, and
+    # an env whose step hangs costs the run one env_timeout_s (two if it dies while earlier calls still answer), then a
+    # tenth of it per engine iteration that ends turns, in that episode loop and every later one (eval sets, rounds,
+    # batches: their __init__ and reset calls that answer change nothing): its calls all fail and the run stops with one
+    # line (max_failure_fraction). The start-up check of every example's reset() keeps this deadline too. A call written
+    # off keeps its thread until it returns: past 256 such threads (4 x 64) the env is down and the run stops with one
+    # line. A close() that fails or times out changes no trajectory (it is counted in rollout/env_close_failures)
     env_timeout_s: float = 60.0
     # When an env's answer becomes the trajectory's next turn, in engine iterations after its turn ended (env.py's
     # episode loop; the engine decodes the other trajectories meanwhile). A number makes runs reproducible and
@@ -150,6 +164,10 @@ class RolloutConfig:
     # The torch engine on a GPU replays each decode step as a CUDA graph (graphs.DecodeGraphs: buckets of
     # rows and keys, captured on first use, checked against eager; an eager fallback). A CPU decodes eagerly.
     cuda_graphs: bool = True
+    # Speculative decoding in the torch engine (machinery/speculative.py): a drafter (the model's MTP layer) proposes
+    # this many tokens per row and one forward verifies them all. Draft and verification share the sampling noise, so
+    # tokens and logprobs are the plain engine's: only the speed changes. 0: off (needs a model with a drafter)
+    speculative_tokens: int = 0
     engine: str = "torch"  # torch: our engine (runs DSA) | sglang: SGLang's (optional extra, dense checkpoints, GPU)
     # fp8: the generator holds the decoder's linear weights in block-wise e4m3 (fp8.py: 128x128 blocks, fp32 scales;
     # embeddings, norms, lm_head and the whole DSA indexer stay bf16/fp32), quantized by the learner after each
@@ -209,8 +227,9 @@ class TrainConfig:
 class DistillConfig:
     # On-policy distillation (grpo.distill_advantages, machinery/teacher.py): a teacher scores every token the policy
     # samples, by a prefill on the generator's device, and each token's advantage becomes coef * (log pi_teacher -
-    # log pi_prox): a dense reward that learns from every token. The teacher: a local directory or Hub id like
-    # model.path, sharing the student's tokenizer (checked at start-up). null: no distillation
+    # log pi_prox): a dense reward that learns from every token, a cut response's too (rollout.truncated: mask drops
+    # only its outcome advantage). The teacher: a local directory or Hub id like model.path, sharing the student's
+    # tokenizer (checked at start-up). null: no distillation
     teacher: str | None = None
     coef: float = 1.0  # the weight of the per-token distillation advantage
     # also add GRPO's outcome advantage (the reward's, per response) to every token's; false: distillation alone (the
@@ -432,6 +451,8 @@ RULES = [  # (keys, test, what each must be)
     (("rollout.quantization", "distill.quantization"), lambda x: x in (None, "fp8"), "fp8 or null"),
     (("distill.coef",), _positive, "a finite number > 0"),
     (("model.routing_replay",), lambda x: x in ("rollout", "none"), "rollout or none"),
+    (("model.mtp_layers",), lambda x: x is None or (isinstance(x, int) and x >= 0), "an integer >= 0 (or null)"),
+    (("model.mtp_loss_scale",), lambda x: isinstance(x, (int, float)) and 0 <= x < float("inf"), "a finite number >= 0"),
     (("train.parallel",), lambda x: x in ("fsdp", "ddp"), "fsdp or ddp"),
     (("grpo.agg",), lambda x: x in grpo.AGG_MODES, f"one of {grpo.AGG_MODES}"),
     (("grpo.kl_estimator",), lambda x: x in grpo.KL_ESTIMATORS, f"one of {grpo.KL_ESTIMATORS}"),
@@ -581,8 +602,7 @@ PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "inte
                                  "max_position_embeddings": 32768, "pad_token_id": 151329,
                                  "eos_token_id": [151329, 151336, 151338]},
              # GLM-4.7-Flash (transformers' glm4_moe_lite): MLA, 64 routed experts + 1 shared, 4 active, the first
-             # layer dense; its files also hold one multi-token-prediction layer (model.layers.47.*), which model.py's
-             # load does not skip yet: the real checkpoint's load stops with "unexpected tensor" (open)
+             # layer dense; its files also hold one multi-token-prediction layer (model.layers.47.*, families/mtp.py)
              "GLM-4.7-Flash": {"architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
                                "vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
                                "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
@@ -593,6 +613,7 @@ PUBLISHED = {"GLM-Z1-9B-0414": {"vocab_size": 151552, "hidden_size": 4096, "inte
                                "first_k_dense_replace": 1, "rope_theta": 1000000, "partial_rotary_factor": 1.0,
                                "rms_norm_eps": 1e-5, "attention_bias": False, "tie_word_embeddings": False,
                                "max_position_embeddings": 202752, "pad_token_id": 154820, "bos_token_id": 0,
+                               "num_nextn_predict_layers": 1,
                                "eos_token_id": [154820, 154827, 154829]}}
 
 
@@ -602,7 +623,8 @@ def architecture(cfg: Config, key="model.path") -> GLMConfig:
     if key == "model.path" and cfg.model.init is not None:
         tok = (AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer")) if cfg.model.tokenizer
                else data.synthetic_tokenizer(cfg.data.train))
-        return GLMConfig(**cfg.model.init, vocab_size=len(tok), dsa=cfg.model.dsa)
+        mtp = {} if cfg.model.mtp_layers is None else {"mtp_layers": cfg.model.mtp_layers}
+        return GLMConfig(**{**cfg.model.init, **mtp}, vocab_size=len(tok), dsa=cfg.model.dsa)
     spec = get(cfg, key)
     hub_id = hub.model_id(spec)
     path = hub.model_config(spec, key, fetch=False) if hub_id else os.path.join(spec, "config.json")
@@ -622,6 +644,8 @@ def architecture(cfg: Config, key="model.path") -> GLMConfig:
     arch = GLMConfig.from_hf(hf)
     if key == "model.path" and cfg.model.dsa is not None:
         arch.dsa = GLMConfig(**{**asdict(arch), "dsa": cfg.model.dsa}).dsa
+    if key == "model.path" and cfg.model.mtp_layers is not None:  # the MTP layers the load keeps or adds
+        arch = replace(arch, mtp_layers=cfg.model.mtp_layers)
     return arch
 
 

@@ -174,19 +174,25 @@ class Episode:
 
 
 class _Task:
-    def __init__(self, fn, args):
-        self.fn, self.args, self.started, self.result, self.abandoned = fn, args, None, None, False
+    """One call on POOL: fn(*args), `what` it is ("MyEnv.step": its kind, for _Pool's outage) and its deadline."""
+    def __init__(self, fn, args, what, timeout):
+        self.fn, self.args, self.what, self.timeout, self.started, self.result = fn, args, what, timeout, None, None
         self.submitted, self.done, self.lock = time.perf_counter(), threading.Event(), threading.Lock()
+        self.abandoned = False  # written off: its thread leaves the pool when the call returns
 
-    def run(self):
-        with self.lock:  # a task given up on while it waited for a thread never starts
+    def run(self, pool):
+        with self.lock:  # a task given up on while it waited for a thread never starts, nor one past its deadline
             if self.done.is_set():
                 return
-            self.started = time.perf_counter()
-        try:
-            self.result = (True, self.fn(*self.args), time.perf_counter() - self.started)
-        except BaseException as e:  # noqa: BLE001 (the env's own bug is data here)
-            self.result = (False, e, time.perf_counter() - self.started)
+            if pool.is_down(self.what) and time.perf_counter() >= self.submitted + self.timeout / 10:
+                self.result = (False, pool.down_error(self), 0.0)  # (a probe that came too late: no thread spent)
+            else:
+                self.started = time.perf_counter()
+        if self.started is not None:
+            try:
+                self.result = (True, self.fn(*self.args), time.perf_counter() - self.started)
+            except BaseException as e:  # noqa: BLE001 (the env's own bug is data here)
+                self.result = (False, e, time.perf_counter() - self.started)
         self.done.set()
         ANSWERED.set()
 
@@ -200,69 +206,110 @@ class _Task:
             return True
 
 
+class EnvDown(TooManyFailures):
+    """More calls written off and still running than a run may lose (_Pool's max_lost): the env is down, the run
+    stops (one line: rollout.py and checkpoint.run_main take it as the TooManyFailures it is)."""
+
+
 class _Pool:
     """Daemon threads that run env calls, so that many trajectories' tools run at once and a cheap call (a
     reward) costs no thread start. A call that misses its deadline keeps its thread (a thread cannot be
     killed): that thread is written off, leaves the pool if the call ever returns, and a new one replaces it
-    at once. When DOWN_AFTER calls in a row have timed out, none answering meanwhile, the env is down (a
-    backend that died): waiting out each later call's deadline would cost env_timeout_s per call (per engine
-    iteration, in _play), so until a call answers again, a call gets a tenth of it from its submission (a
-    probe: an env that is back answers, and ends the outage; the calls written off still run, and may too).
-    One slow call among answering ones never trips it."""
+    at once. A kind of call (what: "MyEnv.step"; __init__, reset and close are kinds of their own) is down (a
+    backend that died) once one of its calls timed out with none of its kind answering over its whole
+    deadline: waiting out each later call's deadline would cost env_timeout_s per call (per engine iteration,
+    in _play), so until a call of that kind answers again, each gets a tenth of it from its submission, and
+    one still queued then never starts (a probe: an env that is back answers, and ends the outage; the calls
+    written off still run, and may too). One slow call among answering ones never trips it, and a batch's
+    __init__ and reset calls that answer do not end an outage of its step.
+    At most max_lost written-off calls may hold their threads at once (the threads a run can lose, beside the
+    pool's own `size`): the next write-off stops the run (EnvDown), so an env that never returns leaves at most
+    size + max_lost threads, however many calls it is sent."""
 
-    def __init__(self, size):
-        self.size, self.live, self.tasks, self.lock = size, 0, queue.SimpleQueue(), threading.Lock()
-        self.timeouts = 0  # calls timed out since the last one answered (returned or raised)
+    def __init__(self, size, max_lost):
+        self.size, self.max_lost, self.tasks, self.lock = size, max_lost, queue.SimpleQueue(), threading.Lock()
+        self.live, self.lost = 0, 0  # threads taking calls; threads written off whose call still runs
+        self.timed_out, self.down = {}, set()  # kind -> its calls timed out since one answered; the kinds down
+        self.answered = {}  # kind -> when its latest call answered (returned or raised, in time or not)
 
-    def submit(self, fn, args):
-        task = _Task(fn, args)
+    @property
+    def timeouts(self):
+        """Calls timed out since a call of their kind answered (0: every kind answers)."""
+        return sum(self.timed_out.values())
+
+    def submit(self, fn, args, what, timeout):
+        if self.spent():
+            raise self.spent_error(what, timeout)
+        task = _Task(fn, args, what, timeout)
         self.tasks.put(task)
         self._fill()
         return task
 
     def _fill(self):
         with self.lock:
-            while self.live < self.size:
+            while self.live < self.size and self.lost <= self.max_lost:
                 self.live += 1
                 threading.Thread(target=self._work, daemon=True, name="env-call").start()
 
-    def down(self):
-        return self.timeouts >= DOWN_AFTER
+    def is_down(self, what):
+        return what in self.down
+
+    def spent(self):
+        return self.lost > self.max_lost
+
+    def down_error(self, task):
+        n = self.timed_out.get(task.what, 0)
+        return TimeoutError(f"no answer in {task.timeout / 10:g} s while {task.what} is down ({n} of its calls timed out, "
+                            "none answering)")
+
+    def spent_error(self, what, timeout):
+        return EnvDown(f"the env is down: {self.lost} calls that missed their deadline (rollout.env_timeout_s={timeout:g}) "
+                       f"still hold a thread each, over the {self.max_lost} a run may lose (the latest: {what})")
 
     def write_off(self, task):
-        task.abandoned = True
+        """Give up on a started call past its deadline: False if it answered meanwhile (nothing to write off)."""
         with self.lock:
-            self.timeouts += 1
-            self.live -= 1  # its thread is stuck: another takes its place now, not at the next submit
-        self._fill()
+            if task.done.is_set():
+                return False
+            task.abandoned = True
+            self.lost, self.live = self.lost + 1, self.live - 1  # its thread is stuck: another takes its place now
+            self.timed_out[task.what] = self.timed_out.get(task.what, 0) + 1
+            if self.answered.get(task.what, -math.inf) < task.started:  # none of its kind answered while it ran
+                self.down.add(task.what)
+        self._fill()  # (not past max_lost: then the caller raises EnvDown, and no thread takes its place)
+        return True
 
     def _work(self):
         while True:
             task = self.tasks.get()
-            task.run()
-            if task.started is not None:  # (not one given up on before it started)
-                self.timeouts = 0
-            if task.abandoned:
-                return
+            task.run(self)
+            with self.lock:
+                if task.started is not None:  # it answered (not one given up on before it started)
+                    self.answered[task.what] = time.perf_counter()
+                    self.timed_out.pop(task.what, None)
+                    self.down.discard(task.what)
+                if task.abandoned:
+                    self.lost -= 1
+                    return
 
 
-DOWN_AFTER = 8  # calls in a row that time out, none answering meanwhile: the env is down (_Pool)
-POOL = _Pool(64)
+# 64 threads run calls at once; 4 x 64 more may be lost to calls that never return before the run stops (EnvDown)
+POOL = _Pool(64, max_lost=256)
 ANSWERED = threading.Event()  # set whenever a call on POOL returns: the episode loop waits on it when idle
 
 
 def guarded(calls, timeout):
     """Run calls, [(episode, what, fn, args)], all at once on POOL's threads (a tool's latency overlaps the
-    others'), each with a deadline from its start (sooner while the env is down: _Pool). Returns [(True, result)
+    others'), each with a deadline from its start (sooner while its kind is down: _Pool). Returns [(True, result)
     or (False, None)], a call that raised, or missed its deadline, marking its episode failed."""
-    tasks = [POOL.submit(fn, args) for _, _, fn, args in calls]
-    return [outcome(ep, what, task, timeout) for (ep, what, _, _), task in zip(calls, tasks)]
+    tasks = [POOL.submit(fn, args, what, timeout) for _, what, fn, args in calls]
+    return [outcome(ep, what, task) for (ep, what, _, _), task in zip(calls, tasks)]
 
 
-def outcome(ep, what, task, timeout, wait=True):
+def outcome(ep, what, task, wait=True):
     """A call's outcome, once it has one: (True, result), or (False, None) if it raised or missed its deadline
     (its episode is marked failed); None if it is still running and wait is False."""
-    result = _result(task, timeout, wait)
+    result = _result(task, wait)
     if result is None:
         return None
     ok, value, secs = result
@@ -270,19 +317,22 @@ def outcome(ep, what, task, timeout, wait=True):
     return (True, value) if ok else _fail(ep, what, value)
 
 
-def _result(task, timeout, wait=True):
+def _result(task, wait=True):
     """(True, value, seconds) or (False, exception, seconds) once the call ended, raised or missed its deadline:
-    timeout from its start, or while the env is down a tenth of it from its submission (_Pool); None if it is
-    still running (or queued) and wait is False."""
+    task.timeout from its start, or while its kind is down a tenth of it from its submission (_Pool); None if it
+    is still running (or queued) and wait is False. EnvDown once more calls are written off than a run may lose."""
     while not task.done.is_set():
-        now, down = time.perf_counter(), POOL.down()
-        deadline = task.submitted + timeout / 10 if down else (task.started or math.inf) + timeout
+        if POOL.spent():  # (no thread may be left to run a queued call)
+            raise POOL.spent_error(task.what, task.timeout)
+        now, down = time.perf_counter(), POOL.is_down(task.what)
+        deadline = task.submitted + task.timeout / 10 if down else (task.started or math.inf) + task.timeout
         if now >= deadline:
-            error = TimeoutError(f"no answer in {timeout / 10:g} s while the env is down ({POOL.timeouts} calls in a "
-                                 f"row timed out)" if down else f"no answer in {timeout:g} s (rollout.env_timeout_s)")
-            if task.give_up(error):  # still queued: it never starts
+            error = POOL.down_error(task) if down else \
+                TimeoutError(f"no answer in {task.timeout:g} s (rollout.env_timeout_s)")
+            if task.give_up(error) or not POOL.write_off(task):  # still queued: it never starts; or it just answered
                 break
-            POOL.write_off(task)
+            if POOL.spent():
+                raise POOL.spent_error(task.what, task.timeout)
             return False, error, now - task.started
         if not wait:
             return None
@@ -335,9 +385,10 @@ def start(eps, env_cls, tokenizer, limits: Limits, chat_template=True):
                                                   f"rollout.max_prompt_tokens={limits.max_prompt_tokens}"))
 
 
-def openings(env_cls, examples, tokenizer, chat_template=True, timeout=60.0):
-    """The prompt ids each example's episode starts from (start-up checks every prompt's length); an env that
-    fails here is one ValueError line naming it and the example."""
+def openings(env_cls, examples, tokenizer, chat_template, timeout):
+    """The prompt ids each example's episode starts from (start-up checks every prompt's length), each call with
+    the run's deadline (timeout: rollout.env_timeout_s); an env that fails here is one ValueError line naming it
+    and the example."""
     eps, limits = [Episode(ex, -1) for ex in examples], Limits(1, 1, 1, timeout_s=timeout)
     start(eps, env_cls, tokenizer, limits, chat_template)
     close(eps, env_cls.__name__, limits)
@@ -379,12 +430,26 @@ def _scalar(x):
     return x
 
 
+# The largest |reward| a trajectory may have. The learner's arithmetic is float32 (max 3.4e38) and the loss squares
+# what a reward scales: with grpo.std_normalize false (Dr.GRPO: an advantage is the reward minus its group's mean)
+# the gradient norm (clip_grad_norm: a plain sum of squares over every weight) is inf at a 1e20 reward and the step
+# is skipped; at 1e38 a group's sum is inf (grpo.group_advantages: NaN advantages, the step skipped); 1e39 is inf in
+# float32 itself. Within 1e6 an advantage is at most 2e6, its square 4e12: a group's sum, mean and std stay finite,
+# the gradient keeps 1e25 of float32's range for the rest (activations, ratios, the weight count), and every integer
+# reward is exact in float32 (below 2^24). A grader past it is a bug (a count, an unscaled score): scale it down.
+REWARD_LIMIT = 1e6
+
+
 def reward_value(x):
-    """The reward as a float: a real number (numpy and torch scalars too), finite. A NaN would make its whole group's
-    advantages NaN and the step be skipped; a string is not a score."""
+    """The reward as a float: a real number (numpy and torch scalars too), finite and within REWARD_LIMIT. A NaN
+    would make its whole group's advantages NaN and the step be skipped, and so would a reward float32 cannot
+    carry through the loss (REWARD_LIMIT); a string is not a score."""
     x = _scalar(x)
     if not isinstance(x, numbers.Real) or not math.isfinite(x):
         raise ValueError(f"the reward must be a finite number, got {x!r:.100}")
+    if not -REWARD_LIMIT <= x <= REWARD_LIMIT:
+        raise ValueError(f"the reward must be within +-{REWARD_LIMIT:g} (machinery/env.py REWARD_LIMIT: the learner's "
+                         f"float32 loss cannot take more), got {x!r:.100}")
     return float(x)
 
 
@@ -435,15 +500,15 @@ def close(eps, name, limits: Limits):
     """env.close(), once, for every episode that made an env (finished, cut, failed or cancelled). It runs after the
     trajectories ended, so a close that raises or times out changes none of them (their rewards stand): it is
     recorded on its own (Episode.close_failure, rollout/env_close_failures) with one warning line per call here.
-    Returns how many failed."""
+    Returns how many failed (EnvDown, the run's stop, if the env is down for good: _Pool)."""
     todo = [ep for ep in eps if ep.env is not None and callable(getattr(ep.env, "close", None))]
     envs = [ep.env for ep in todo]
     for ep in eps:
         ep.env = None
-    tasks = [POOL.submit(env.close, ()) for env in envs]
+    tasks = [POOL.submit(env.close, (), f"{name}.close", limits.timeout_s) for env in envs]
     failed = 0
     for ep, task in zip(todo, tasks):
-        ok, value, secs = _result(task, limits.timeout_s)
+        ok, value, secs = _result(task)
         ep.env_s += secs
         if not ok:
             ep.close_failure = _why(f"{name}.close", value)
@@ -531,7 +596,7 @@ def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopp
                     ep = episodes[i]
                     model_turn(ep, c)
                     text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                    task = POOL.submit(ep.env.step, (text,))
+                    task = POOL.submit(ep.env.step, (text,), f"{name}.step", limits.timeout_s)
                     pending.append((it + (admit_after or 0), i, task, c.finish_reason == "length"))
                 if admit_after is not None and pending and not call.busy:
                     it = max(it, pending[0][0])  # nothing to decode: on to the next answer's iteration
@@ -540,7 +605,7 @@ def _play(engine, episodes, live, name, tokenizer, sampling, limits, seed, stopp
                 for k, (due, i, task, cut) in enumerate(pending):  # launch order: the same order on every run
                     if admit_after is not None and due > it:
                         break
-                    out = outcome(episodes[i], f"{name}.step", task, limits.timeout_s, wait=admit_after is not None)
+                    out = outcome(episodes[i], f"{name}.step", task, wait=admit_after is not None)
                     if out is None:
                         continue
                     taken.add(k)

@@ -31,7 +31,7 @@ import data
 from machinery import fp8
 from machinery import lora
 from machinery.config import ConfigError
-from families.mla_moe import MoE, Routing, no_route
+from families.mla_moe import MoE, Routing, no_route, route_dtype
 from model import FP32_PARAMS, GLM
 
 
@@ -244,6 +244,12 @@ class MicroBatch:
     tokens: torch.Tensor  # [N_mb]: the positions of its samples' scored tokens in the flat tensors
     mask: torch.Tensor  # [B, T] bool: B samples, T the most scored tokens of one; True at real tokens
     routes: list | None = None  # MoE: each sample's generator routes [positions, n_moe, k] (rollout.Sample.routes)
+    route_shape: tuple | None = None  # MoE: (n_moe, k, dtype) of the model's routes (packed_micro_batches; None: a
+    # recorded route's, or a dense model)
+
+    def unrecorded(self) -> int:
+        """How many of its samples carry no generator routes (on an MoE model their tokens route afresh)."""
+        return len(self.samples) if self.routes is None else sum(r is None for r in self.routes)
 
     def pad(self, flat):
         """[N_mb] (its tokens, sample after sample) -> [B, T], zeros after each sample's tokens."""
@@ -257,27 +263,35 @@ class MicroBatch:
         mine = self.pad(torch.arange(len(self.tokens), device=self.mask.device))[j][self.mask[j]]
         routes = None if self.routes is None else [self.routes[i] for i in pick]
         return MicroBatch([self.rows[i] for i in pick], [self.samples[i] for i in pick], self.tokens[mine], self.mask[j],
-                          routes), mine
+                          routes, self.route_shape), mine
 
     def routing(self, apply: bool) -> Routing | None:
         """The mla_moe.Routing of this packed row (None: a dense model): the generator's experts of every token, the
         samples end to end [n_moe, 1, L, k], mla_moe.no_route where none was recorded (a sequence's last token, never
-        fed; a position the generator's last block skipped). apply: replay them (False: route afresh, and only count
-        agreement with them)."""
-        if self.routes is None or any(r is None for r in self.routes):
+        fed; a position the generator's last block skipped; every token of a sample that carries no routes: those
+        route afresh, token by token, while the others keep their replay). apply: replay them (False: route afresh,
+        and only count agreement with them)."""
+        recorded = [r for r in self.routes or () if r is not None]
+        shape = self.route_shape or ((*recorded[0].shape[1:], recorded[0].dtype) if recorded else None)
+        if shape is None:
             return None
-        device, ref = self.mask.device, self.routes[0]
+        *dims, dtype = shape
         parts = []
-        for (ids, _), r in zip(self.rows, self.routes):  # pad each sample's routes to its length
-            parts += [r, torch.full((len(ids) - len(r), *r.shape[1:]), no_route(r.dtype), dtype=r.dtype)]
-        replay = torch.cat(parts).to(device, non_blocking=True).permute(1, 0, 2)[:, None]  # [n_moe, 1, L, k]
+        for (ids, _), r in zip(self.rows, self.routes or [None] * len(self.rows)):  # each sample's, to its length
+            r = torch.empty((0, *dims), dtype=dtype) if r is None else r
+            parts += [r, torch.full((len(ids) - len(r), *dims), no_route(dtype), dtype=dtype)]
+        replay = torch.cat(parts).to(self.mask.device, non_blocking=True).permute(1, 0, 2)[:, None]  # [n_moe, 1, L, k]
         return Routing(replay=replay, apply=apply)
 
 
 def packed_micro_batches(model, rows, budget, device, routes=None):
     """[(k, MicroBatch or None)]: this rank's samples (rows: (ids, spans of scored tokens); routes: their generator
     routes, MoE) packed first-fit decreasing into micro-batches of at most budget tokens (a longer sample alone),
-    padded with None to the busiest rank's count (micro_batches)."""
+    padded with None to the busiest rank's count (micro_batches). An MoE model (model None: as a dense one) lends
+    them its route shape: samples that carry no routes route afresh, each token of theirs NO_ROUTE in a Routing
+    that still replays the others' and counts them all (MicroBatch.routing, variants.routing_metrics)."""
+    cfg = None if model is None else unwrap(model).cfg
+    shape = None if cfg is None or cfg.moe is None else (len(cfg.moe_layers), cfg.moe.num_experts_per_tok, route_dtype(cfg))
     sizes = [sum(n for _, n in spans) for _, spans in rows]  # scored tokens per sample
     first = list(itertools.accumulate([0] + sizes))  # where each sample's tokens start in the flat tensors
     parts = []
@@ -286,7 +300,7 @@ def packed_micro_batches(model, rows, budget, device, routes=None):
             n = torch.tensor([sizes[i] for i in mb])
             mb = MicroBatch([rows[i] for i in mb], mb, data.spans([first[i] for i in mb], n.tolist(), device),
                             (torch.arange(int(n.max())) < n[:, None]).to(device),
-                            None if routes is None else [routes[i] for i in mb])
+                            None if routes is None else [routes[i] for i in mb], shape)
         parts.append((k, mb))
     return parts
 

@@ -117,7 +117,8 @@ def start(argv, description, script, default_config, single_turn) -> Run | None:
         examples_of = lambda src, split: data.load_examples(  # noqa: E731  (all prompts tokenized now: fail in seconds)
             src, tokenizer, cfg.data, split=split, seed=cfg.seed, sft=cfg.train.sft_steps > 0, chat_template=
             cfg.rollout.chat_template, max_prompt_tokens=cfg.rollout.max_prompt_tokens, verbose=rank() == 0,
-            openings=cfg.data.env and (lambda exs: env.openings(env_cls, exs, tokenizer, cfg.rollout.chat_template)),
+            openings=cfg.data.env and (lambda exs: env.openings(env_cls, exs, tokenizer, cfg.rollout.chat_template,
+                                                              cfg.rollout.env_timeout_s)),
             files_of=hub.data_files)
         train_examples = examples_of(cfg.data.train, "train")
         sets = {name: examples_of(src, "eval") for name, src in eval_sets(cfg).items()}

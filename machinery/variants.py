@@ -1,12 +1,12 @@
 """
 What train.rl_step adds to the objective when a variant is on, each through calls named for it (a line each, not
 interleaved with the formula): the KL reference's log-probs (grpo.kl_coef: reference_logprobs) and the KL guard's
-lr scale (grpo.kl_guard: kl_guard_scale), on-policy distillation's per-token advantages (distill.teacher: distill),
-routing replay's diagnostics (an MoE model: routing_metrics per micro-batch, routing_ratios at the end), and the
-dummy micro-batch a rank runs to keep in step with a busier one (several processes: its rows parallel.dummy_rows,
-then dummy_micro_batch). With a variant off each call returns at once: its input (distill), None
-(reference_logprobs), 1.0 (kl_guard_scale) or {} (routing_metrics, routing_ratios). The learner's forward,
-train.packed_forward, is handed in: the machinery never imports a chapter above it.
+lr scale (grpo.kl_guard: kl_guard_scale), on-policy distillation's samples and per-token advantages (distill.teacher:
+keep_cut keeps the cut ones, distill; rl_step calls them only with a teacher), routing replay's diagnostics (an MoE
+model: routing_metrics per micro-batch, routing_ratios at the end), and the dummy micro-batch a rank runs to keep in
+step with a busier one (several processes: its rows parallel.dummy_rows, then dummy_micro_batch). With a variant off
+each call returns at once: None (reference_logprobs), 1.0 (kl_guard_scale) or {} (routing_metrics, routing_ratios). The learner's forward, train.packed_forward, is handed in: the machinery
+never imports a chapter above it.
 """
 import torch
 
@@ -14,6 +14,7 @@ import grpo
 from machinery.parallel import autocast, dummy_rows, learner_backward, unwrap
 
 ROUTING_PROBE_SAMPLES = 32  # routing_metrics' extra forward: this many samples of each rank's first micro-batch at most
+SAID = set()  # the console lines said once per process (routing_metrics': "unrecorded")
 
 
 def reference_logprobs(ref_model, parts, forward, temperature, like):
@@ -28,6 +29,17 @@ def reference_logprobs(ref_model, parts, forward, temperature, like):
             if mb:
                 ref_logp[mb.tokens] = lp
     return ref_logp
+
+
+def keep_cut(samples, adv):
+    """On-policy distillation's choice of the samples the loss trains on, from the fresh samples and adv [S] (their
+    groups'): all but the masked (rollout.truncated: mask, void turns), as without a teacher, except that a sample
+    masked because the length limit cut it stays, at outcome advantage 0: the teacher scored each of its tokens, a
+    per-token signal that the cut does not turn into noise the way it does the outcome's reward (a void trajectory
+    still leaves: the env voided all of it). -> (the kept samples' indices, adv [S] with the cut ones' set to 0)."""
+    cut = [s.masked and s.finish_reason == "length" for s in samples]
+    kept = [i for i, s in enumerate(samples) if not s.masked or cut[i]]
+    return kept, adv.masked_fill(torch.tensor(cut, dtype=torch.bool), 0.0)  # [S]: a cut one's outcome 0
 
 
 def distill(adv, mb, logp, teacher_logp, d, sums):
@@ -55,11 +67,20 @@ def routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, first,
     (tokens x MoE layers whose learner top-k set equals the generator's, from the training forward itself) and, on a
     probe of each rank's first micro-batch (at most ROUTING_PROBE_SAMPLES samples spread over it), the learner-generator
     gap |log pi_learner - log pi_gen| with replay and without, the second from one more forward (no grad) that routes
-    the other way: the price of the computation routing replay avoids, measured on a sample to keep it cheap."""
+    the other way: the price of the computation routing replay avoids, measured on a sample to keep it cheap. And
+    routing/unrecorded, the share of the step's samples that carried no generator routes (MicroBatch.routing routes
+    their tokens afresh, replay or not, and leaves them out of routing/agree), said on the console the first time."""
     if routing is None:
         return {}
     agree, seen = (torch.stack(t).sum(0) for t in zip(*routing.agree))
+    unrecorded = mb.unrecorded()
+    if unrecorded and "unrecorded" not in SAID:
+        SAID.add("unrecorded")
+        print(f"[train] {unrecorded} of a micro-batch's {len(mb.samples)} samples carry no generator routes: their "
+              "tokens route afresh, replay or not (routing/unrecorded counts them in every step; said once)", flush=True)
     out = {"routing_agree": sums.get("routing_agree", 0.0) + agree, "routing_seen": sums.get("routing_seen", 0.0) + seen}
+    for name, n in (("routing_samples", len(mb.samples)), ("routing_unrecorded", unrecorded)):  # (on the device, as
+        out[name] = sums.get(name, 0.0) + torch.tensor(float(n), device=gap.device)  # the others: one host sync)
     if first:
         probe, mine = mb.probe(ROUTING_PROBE_SAMPLES)  # mine [N_probe]: its tokens among mb's
         with torch.no_grad(), autocast(gap.device):  # in the training forward's precision (bf16 autocast on GPU)
@@ -71,12 +92,16 @@ def routing_metrics(model, mb, routing, gap, gen_logp, temperature, sums, first,
 
 
 def routing_ratios(total):
-    """routing/* from routing_metrics' sums over every rank ({} for a dense model): ratios of their own sums."""
-    if "routing_seen" not in total:
+    """routing/* from routing_metrics' sums over every rank ({} for a dense model): ratios of their own sums; with no
+    recorded route anywhere in the step (nothing replayed, nothing to agree with) routing/unrecorded alone (1.0)."""
+    if "routing_samples" not in total:
         return {}
-    return {"routing/agree": total["routing_agree"] / max(1, total["routing_seen"]),
-            **{f"routing/logp_diff_mean_{w}": total[f"routing_gap_{w}"] / max(1, total["routing_gap_tokens"])
-               for w in ("replay", "fresh")}}
+    out = {"routing/unrecorded": total["routing_unrecorded"] / max(1, total["routing_samples"])}
+    if not total["routing_seen"]:
+        return out
+    return out | {"routing/agree": total["routing_agree"] / total["routing_seen"],
+                  **{f"routing/logp_diff_mean_{w}": total[f"routing_gap_{w}"] / max(1, total["routing_gap_tokens"])
+                     for w in ("replay", "fresh")}}
 
 
 def kl_guard_scale(guard, metrics, on):

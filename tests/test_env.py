@@ -1,9 +1,11 @@
 """env.py: incremental rendering on a template written for these tests that renders as GLM-Z1-9B-0414's does
 (observation role, earlier <think> stripped, [gMASK]<sop>, tools in the system turn), with a small
 tokenizer holding GLM's special tokens; exact token accounting through the episode loop on the torch
-engine; limits, void turns, failures (raise, timeout, malformed), close() on every episode; the demo's
-calculator."""
+engine; limits, void turns, failures (raise, timeout, malformed, a reward past what the learner's float32 loss can
+take), close() on every episode; an env that hangs (one env_timeout_s, then a tenth; a bounded number of threads
+lost, then the run's stop); the demo's calculator."""
 import random
+import re
 import string
 import threading
 import time
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import grpo
 from machinery import env
 from data import make_tiny_tokenizer
 from machinery.engine import SamplingParams, TorchEngine
@@ -318,10 +321,10 @@ def test_a_bad_env_spec_is_one_line():
 
 
 def release(event):
-    """Let the test's hanging calls return, and wait until one has (the pool no longer takes the env for down)."""
+    """Let the test's hanging calls return, and wait until they all have (no kind of call is down, no thread lost)."""
     event.set()
     deadline = time.perf_counter() + 5
-    while env.POOL.timeouts and time.perf_counter() < deadline:
+    while (env.POOL.timeouts or env.POOL.lost) and time.perf_counter() < deadline:
         time.sleep(0.01)
 
 
@@ -370,6 +373,76 @@ def test_more_hanging_steps_than_threads_in_the_session_loop():
         assert all(ep.failure.startswith("Hang.step raised TimeoutError") for ep in eps)
     finally:
         release(Hang.never)
+
+
+def test_a_batch_whose_step_hangs_costs_one_timeout_then_a_tenth():
+    """Steps that never return, one trajectory at a time (max_batch 1: each turn ends in an iteration of its own, and
+    the loop waits for its answer): the first env_timeout_s puts Hang.step down, so the three after it get a tenth
+    each (before: a whole one each, as 8 had to time out in a row). The next episode loop (the next eval set, batch
+    or round) gets only the tenth although its __init__, reset and close calls answer (before: any answer ended the
+    outage, and every loop paid a whole env_timeout_s again). A step that answers ends the outage. (Times are the
+    env's, Episode.env_s: the engine's own vary with the machine's load.)"""
+    tok = tool_tokenizer()
+    engine = tiny_engine(tok)
+    engine.max_batch = 1
+    Hang.never, timeout = threading.Event(), 0.5
+    try:
+        for loop in range(2):
+            eps, _, _, _ = play(Hang, [{"prompt": "a"}] * 4, Limits(1, 40, 2, timeout_s=timeout), tok, engine)
+            took = sum(ep.env_s for ep in eps)
+            down = [ep.failure == "Hang.step raised TimeoutError: no answer in 0.05 s while Hang.step is down "
+                                  f"({k} of its calls timed out, none answering)" for k, ep in enumerate(eps, 4 * loop)]
+            if loop == 0:
+                assert eps[0].failure == "Hang.step raised TimeoutError: no answer in 0.5 s (rollout.env_timeout_s)"
+                assert down[1:] == [True] * 3 and timeout <= took < 2 * timeout  # 1.3 x (before: 4 x env_timeout_s)
+            else:
+                assert down == [True] * 4 and took < timeout  # 0.4 x (before: 4 x env_timeout_s again)
+        assert env.POOL.is_down("Hang.step")
+    finally:
+        release(Hang.never)
+    assert not env.POOL.is_down("Hang.step")  # its written-off calls answered
+
+
+def test_calls_that_never_return_lose_a_bounded_number_of_threads_then_stop_the_run():
+    """300 close() calls that never return: before, each kept its thread for good while a new one took its place (364
+    threads); now the first wave of 64 times out, the kind is down and the 236 queued never start. Later waves of
+    hanging calls each lose their threads, until more than MAX_LOST (4 x the pool) would be held: then close raises
+    EnvDown, a TooManyFailures (the run stops with its one line), and the pool never held more than size + max_lost
+    threads. Once the calls return, the pool is whole again."""
+    never, pool = threading.Event(), env.POOL
+
+    class Stuck:
+        def close(self):
+            never.wait()
+
+    def threads():
+        return sum(t.name == "env-call" for t in threading.enumerate())
+
+    def hanging(n):
+        eps = [Episode({}, i) for i in range(n)]
+        for ep in eps:
+            ep.env = Stuck()
+        return eps
+
+    limits, most = Limits(1, 1, 1, timeout_s=0.2), threads()
+    try:
+        eps = hanging(300)
+        assert within(10, lambda: env.close(eps, "Stuck", limits))[0] == 300
+        assert pool.lost == pool.size and threads() <= 2 * pool.size  # (before: 300 lost, 364 threads)
+        assert sum("while Stuck.close is down" in ep.close_failure for ep in eps) == 300 - 1
+        with pytest.raises(env.TooManyFailures) as stop:
+            for wave in range(pool.max_lost // pool.size):  # the waves after: each call a probe, each one lost
+                assert env.close(hanging(pool.size), "Stuck", limits) == pool.size and pool.lost == pool.size * (wave + 2)
+                most = max(most, threads())
+        assert isinstance(stop.value, env.EnvDown) and "\n" not in str(stop.value)
+        assert str(stop.value) == ("the env is down: 257 calls that missed their deadline (rollout.env_timeout_s=0.2) still "
+                                   "hold a thread each, over the 256 a run may lose (the latest: Stuck.close)")
+        assert most <= pool.size + pool.max_lost == 320 and threads() <= pool.size + pool.max_lost
+        with pytest.raises(env.EnvDown):  # and no call more while the threads stay lost
+            env.guarded([(Episode({}, 0), "Stuck.reset", time.sleep, (0,))], 0.2)
+    finally:
+        release(never)
+    assert pool.lost == 0 and env.guarded([(Episode({}, 0), "Stuck.reset", time.sleep, (0,))], 0.2) == [(True, None)]
 
 
 class Unclosable(Scripted):
@@ -426,6 +499,60 @@ def test_numpy_and_tensor_scalars_are_accepted(done, reward):
     """A numpy or torch scalar (bool or 0/1) done, and a real-number scalar reward, are taken at their value."""
     eps, _, _, _ = play(Malformed, [{"prompt": "a", "out": ([], reward, done)}], Limits(12, 100, 5))
     assert eps[0].failure is None and eps[0].finish == "stop" and eps[0].reward == 0.5 and type(eps[0].reward) is float
+
+
+def learner_step(rewards, std_normalize):
+    """One RL step of the learner's own arithmetic on one group's rewards: grpo.group_advantages, grpo.policy_loss on
+    a small float32 policy (8 responses of 5 tokens), parallel.optimizer_step. Returns (advantages [8], whether
+    the step was skipped)."""
+    from machinery.parallel import optimizer_step
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(8, 16)
+    x, ids = torch.randn(len(rewards), 5, 8), torch.randint(0, 16, (len(rewards), 5))
+    logp = torch.log_softmax(policy(x), -1).gather(-1, ids[..., None])[..., 0]  # [8, 5]
+    adv = grpo.group_advantages(rewards, len(rewards), std_normalize)
+    loss, _ = grpo.policy_loss(logp, logp.detach(), adv, torch.ones_like(logp), grpo.GRPOConfig(std_normalize=std_normalize))
+    loss.backward()
+    out = optimizer_step(torch.optim.AdamW(policy.parameters()), policy, float(loss.detach()), 1.0, lambda: 1e-3)
+    return adv, bool(out["train/skipped"])
+
+
+@pytest.mark.parametrize("big, skipped", [(1e20, {True: False, False: True}), (1e38, {True: True, False: True}),
+                                          (1e39, {True: True, False: True}), (-1e39, {True: True, False: True})])
+def test_a_reward_float32_cannot_carry_fails_its_trajectory(big, skipped, capsys):
+    """A reward that is finite in Python but past what the learner's float32 loss can take: before, it passed the check
+    and a group of rollout.n = 8 holding it (half of it, the rest 0) skipped the whole RL step silently: at 1e20 the
+    gradient norm of Dr.GRPO (std_normalize false) is inf, at 1e38 the group's sum and at 1e39 the reward itself
+    (std_normalize either way: every advantage NaN). Now it fails its trajectory, on the agent path (step's reward)
+    and on the single-turn one (the reward hook), and report_failures says so in one line. Within REWARD_LIMIT the
+    same step is taken, with the advantages of a float64 reference."""
+    n = 8
+    for std_normalize, want in skipped.items():  # what a reward past the limit did to the step
+        assert learner_step([big] * (n // 2) + [0.0] * (n // 2), std_normalize)[1] == want
+    for group in ([env.REWARD_LIMIT] * 4 + [0.0] * 4, [-env.REWARD_LIMIT, env.REWARD_LIMIT] * 4):
+        for std_normalize in (True, False):
+            adv, was_skipped = learner_step(group, std_normalize)
+            ref = torch.tensor(group, dtype=torch.float64) - sum(group) / n
+            ref = ref / (torch.tensor(group, dtype=torch.float64).std() + 1e-6) if std_normalize else ref
+            assert not was_skipped and torch.allclose(adv.double(), ref, rtol=1e-6)
+    assert env.reward_value(env.REWARD_LIMIT) == 1e6 and env.reward_value(np.float32(-1e6)) == -1e6
+    with pytest.raises(ValueError, match=r"^the reward must be within \+-1e\+06 .*, got " + re.escape(repr(big))):
+        env.reward_value(big)
+    eps, order, engine, tok = play(Malformed, [{"prompt": "a", "out": ([], big, True)}, {"prompt": "b", "out": ([], 1.0, True)}],
+                                   Limits(12, 100, 5))
+    assert eps[0].finish == "failed" and eps[0].failure.startswith("Malformed.step raised ValueError: the reward must be within")
+    assert eps[1].failure is None and eps[1].reward == 1.0
+    import rollout
+    hook = rollout.single_turn(lambda text, example: big if example["prompt"] == "a" else 1.0)
+    single = [Episode({"prompt": p}, i) for i, p in enumerate("ab")]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=stops(tok))
+    assert sorted(i for i, _ in rollout.play_single_turn(engine, single, hook, tok, sampling, Limits(4, 4, 1), 0)) == [0, 1]
+    assert single[0].finish == "failed" and single[0].failure.startswith("<lambda>.step raised ValueError: the reward must be")
+    assert single[1].failure is None and single[1].reward == 1.0
+    capsys.readouterr()
+    env.report_failures([eps[0], single[0]], 4, 0, 0.5, None, 0, set(), 5)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(f"got {big!r}" in line and line.startswith("[rollout] env failure") for line in lines)
 
 
 def test_an_env_whose_setup_cannot_start_is_one_line():

@@ -478,3 +478,14 @@ def test_distillation_advantage_is_finite_where_the_teacher_finds_a_token_imposs
     assert a.tolist() == [[-grpo.LOG_RATIO_CLAMP] * 2] and kl.tolist() == [[grpo.LOG_RATIO_CLAMP] * 2]
     loss, grad, _ = run(logp, logp.clone(), a, torch.ones(1, 2))
     assert math.isfinite(loss) and torch.isfinite(grad).all()
+
+
+def test_a_constant_group_gets_exactly_zero_advantages_whatever_float32_rounds():
+    """A constant group has no signal: its advantages are 0 exactly, also where float32 rounds its mean (the std's eps
+    would blow the rounding residue up to ~0.2 of an advantage). Reference: the float64 formula."""
+    for value, g in ((3.7, 16), (0.1, 8), (999999.9, 8), (1.0, 6)):
+        assert grpo.group_advantages([value] * g, g).abs().max() == 0.0
+    rewards = [3.7] * 4 + [0.0, 1.0, 1.0, 0.0]
+    r = torch.tensor(rewards, dtype=torch.float64).view(2, 4)
+    want = torch.cat([torch.zeros(4), ((r[1] - r[1].mean()) / (r[1].std() + 1e-6)).float()])
+    torch.testing.assert_close(grpo.group_advantages(rewards, 4), want)

@@ -50,6 +50,30 @@ def test_a_micro_batchs_probe_is_a_spread_of_its_samples_with_their_tokens_and_r
     assert mb.probe(100)[0].samples == mb.samples and torch.equal(mb.probe(100)[1], torch.arange(sum(lengths)))
 
 
+def test_a_micro_batch_replays_the_samples_with_routes_and_routes_the_others_afresh():
+    """MicroBatch.routing on a micro-batch where some samples carry no generator routes: the replay row [n_moe, 1, L,
+    k] holds each recorded sample's routes (then NO_ROUTE for its last, never fed token) and NO_ROUTE at every token of
+    the others (the router's own choice, token by token), written out here; with no routes at all an MoE model's
+    micro-batch (route_shape from the model) still gets a Routing, all NO_ROUTE, and a dense model's none."""
+    lengths = [5, 3, 4]  # sample i: 2 prompt tokens, then lengths[i] scored ones
+    rows = [([7] * (2 + n), [(2, n)]) for n in lengths]
+    routes = [torch.full((1 + lengths[0], 2, 3), 10, dtype=torch.uint8), None,
+              torch.arange(2 * 3 * (1 + lengths[2]), dtype=torch.uint8).view(1 + lengths[2], 2, 3)]
+    ((_, mb),) = parallel.packed_micro_batches(None, rows, 10**6, "cpu", routes)  # (no model: route_shape from routes)
+    assert mb.samples == [0, 2, 1] and mb.unrecorded() == 1
+    routing = mb.routing(True)
+    none = lambda n: torch.full((n, 2, 3), 255, dtype=torch.uint8)  # noqa: E731 - uint8's NO_ROUTE
+    want = torch.cat([routes[0], none(1), routes[2], none(1), none(2 + lengths[1])])  # packed order: 0, 2, 1
+    assert routing.apply and torch.equal(routing.replay, want.permute(1, 0, 2)[:, None])
+    assert not mb.routing(False).apply
+    model = GLM(GLMConfig(**MOE))  # 2 MoE layers, top-2 of 5 experts
+    ((_, mb),) = parallel.packed_micro_batches(model, rows, 10**6, "cpu", [None] * 3)
+    assert mb.unrecorded() == 3 and mb.route_shape == (2, 2, torch.uint8)
+    assert torch.equal(mb.routing(True).replay, torch.full((2, 1, sum(lengths) + 6, 2), 255, dtype=torch.uint8))
+    ((_, mb),) = parallel.packed_micro_batches(None, rows, 10**6, "cpu", [None] * 3)  # a dense model's samples
+    assert mb.routing(True) is None and mb.probe(2)[0].routing(True) is None
+
+
 # ----------------------------------------------------------------------------- loading sharded
 # torchrun with gloo on the CPU: each of 2 FSDP ranks loads only its rows of every tensor
 # (parallel.load_learner); gathered, the model must equal one process's from_pretrained, bit for bit.

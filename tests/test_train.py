@@ -302,34 +302,75 @@ def test_a_distillation_step_is_the_float64_loss_with_the_teachers_per_token_adv
     advantage with distill.outcome), through the clipped surrogate and IcePop, env tokens scored by no one;
     train/distill_kl is the mean of log pi_theta - log pi_teacher over the model's tokens."""
     model, samples = multi_turn
+    samples = with_a_teacher(samples)
+    want, kl = float64_distill_gradient(model, samples, outcome, trained=[True] * len(samples))
+    m, got = distill_step(model, samples, outcome)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    assert m["train/distill_kl"] == pytest.approx(kl, abs=1e-5)
+
+
+def with_a_teacher(samples):
+    """Copies of the samples with a teacher's logprobs that disagree with the generator's by ~0.5 nats a token."""
     g = torch.Generator().manual_seed(5)
     samples = [copy.copy(s) for s in samples]
-    for s in samples:  # a teacher that disagrees by ~0.5 nats a token
+    for s in samples:
         s.teacher_logprobs = (torch.tensor(s.gen_logprobs) + 0.5 * torch.randn(len(s.gen_logprobs), generator=g)).tolist()
-    batch = RolloutBatch(samples, index=0, stream_state={}, metrics={})
+    return samples
+
+
+def float64_distill_gradient(model, samples, outcome, trained, coef=0.5):
+    """(the float64 gradient of a distillation step's loss over the trained samples, seq-mean-token-mean, the mean
+    of log pi_theta - log pi_teacher over their tokens): token advantages coef * (log pi_teacher - log pi_theta) (+
+    the group's outcome advantage with outcome: True, or "not cut", where a cut sample's is 0), the groups' advantages
+    over every sample, trained or not."""
     ref = copy.deepcopy(model).double()
     adv = grpo.group_advantages(torch.tensor([s.reward for s in samples], dtype=torch.float64), 2)
     terms, kls = [], []
-    for s, a in zip(samples, adv):
+    for s, a, keep in zip(samples, adv, trained):
+        if not keep:
+            continue
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         logp = (ref(ids)[0].double() / 0.7).log_softmax(-1)
         where = torch.tensor([len(s.prompt_ids) + start + k for start, n in s.spans for k in range(n)])
         lp = logp[where - 1, ids[0, where]]
         gen, teacher = torch.tensor(s.gen_logprobs, dtype=torch.float64), torch.tensor(s.teacher_logprobs, dtype=torch.float64)
-        a_t = 0.5 * (teacher - lp.detach()) + (a if outcome else 0.0)
+        a_t = coef * (teacher - lp.detach()) + (a if outcome is True or (outcome and s.finish_reason != "length") else 0.0)
         ratio, w = torch.exp(lp - gen), torch.exp(lp.detach() - gen)
         loss = torch.maximum(-a_t * ratio, -a_t * ratio.clamp(0.8, 1.28)) * ((w >= 0.5) & (w <= 2.0))
         terms.append(loss.mean())
         kls.append(lp.detach() - teacher)
-    (torch.stack(terms).sum() / len(samples)).backward()
-    want = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None])
+    (torch.stack(terms).sum() / len(terms)).backward()
+    return torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None]), torch.cat(kls).mean().item()
+
+
+def distill_step(model, samples, outcome, **overrides):
+    """rl_step of a copy of model on the samples with distill.teacher (coef 0.5) -> (its metrics, its gradient)."""
     learner = copy.deepcopy(model)
     cfg, opt, guard = rl_setup(learner, **{"optim.grad_clip": 1e9, "optim.max_tokens_per_micro_batch": 40,
-                                           "distill.teacher": "teacher", "distill.coef": 0.5, "distill.outcome": outcome})
-    m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
-    got = torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None]).double()
+                                           "distill.teacher": "teacher", "distill.coef": 0.5, "distill.outcome": outcome}
+                               | overrides)
+    m = train.rl_step(cfg, learner, None, opt, guard, RolloutBatch(samples, index=0, stream_state={}, metrics={}), 0)
+    return m, torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None]).double()
+
+
+@pytest.mark.parametrize("outcome", [False, True])
+def test_distillation_keeps_a_cut_sample_at_outcome_advantage_zero(multi_turn, outcome):
+    """rollout.truncated: mask with a teacher: a sample masked because the length limit cut it stays in the loss with
+    its per-token distillation term (the teacher scored each of its tokens) and no outcome advantage (its reward is
+    the noise the mask is for; it still counts in its group's baseline); a void trajectory leaves whole. The gradient
+    is the float64 reference's over every sample but the void one, the cut ones' outcome advantage 0; train/masked
+    counts the void one alone."""
+    model, samples = multi_turn
+    samples = with_a_teacher(samples)
+    for i, finish in ((0, "length"), (3, "length"), (6, "void")):  # a rewarded group's, another group's; a void one
+        samples[i].masked, samples[i].finish_reason = True, finish
+    assert {samples[i].reward for i in (0, 3)} != {0.0}  # a cut sample's outcome advantage would not be 0 by itself
+    trained = [i != 6 for i in range(len(samples))]
+    want, kl = float64_distill_gradient(model, samples, "not cut" if outcome else False, trained)
+    m, got = distill_step(model, samples, outcome)
+    assert m["train/masked"] == 1 and m["train/samples"] == len(samples) - 1
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-    assert m["train/distill_kl"] == pytest.approx(torch.cat(kls).mean().item(), abs=1e-5)
+    assert m["train/distill_kl"] == pytest.approx(kl, abs=1e-5)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -1242,6 +1283,103 @@ def test_the_gaps_with_and_without_replay_are_measured_on_a_probe_of_the_first_m
         tol = 2e-3 if bf16 else 1e-5  # a packed row against one sequence alone: bf16 rounds them apart a little
         assert m["routing/logp_diff_mean_replay"] == pytest.approx(want[True], rel=tol, abs=1e-6), (replay, m)
         assert m["routing/logp_diff_mean_fresh"] == pytest.approx(want[False], rel=tol, abs=1e-6), (replay, m)
+
+
+def nudged_router(model, scale=0.2):
+    """A copy of model whose routers are nudged, so that on the generator's completions its own top-k differs from
+    the recorded experts at many tokens."""
+    net = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if name.endswith("gate.weight"):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * scale)
+    return net
+
+
+def float64_moe_gradient(net, prompts, comps, replay):
+    """The gradient of rl_step's loss (seq-mean-token-mean, clipped surrogate, IcePop) written out in float64, each
+    sample's forward alone: its MoE layers take the generator's recorded experts (replay[i]; a position the generator
+    never fed or routed, NO_ROUTE, routes by itself) or route by themselves (no Routing at all)."""
+    from families.mla_moe import Routing, no_route
+    ref = copy.deepcopy(net).double()
+    adv = grpo.group_advantages(torch.tensor([float(i % 3 == 0) for i in range(len(comps))], dtype=torch.float64), 2)
+    terms = []
+    for p, c, a, replayed in zip(prompts, comps, adv, replay):
+        ids = p + c.token_ids
+        routing = None
+        if replayed:  # [positions, n_moe, k] -> [n_moe, 1, L, k]; the last token was never fed: no route
+            r = torch.cat([c.routes, torch.full((1, *c.routes.shape[1:]), no_route(c.routes.dtype), dtype=c.routes.dtype)])
+            routing = Routing(replay=r.permute(1, 0, 2)[:, None])
+        logp = (ref(torch.tensor([ids]), routing=routing)[0] / 0.7).log_softmax(-1)
+        lp = logp[torch.arange(len(p) - 1, len(ids) - 1), torch.tensor(c.token_ids)]  # position j - 1 predicts token j
+        gen = torch.tensor(c.logprobs, dtype=torch.float64)
+        ratio, w = torch.exp(lp - gen), torch.exp(lp.detach() - gen)
+        terms.append((torch.maximum(-a * ratio, -a * ratio.clamp(0.8, 1.28)) * ((w >= 0.5) & (w <= 2.0))).mean())
+    (torch.stack(terms).sum() / len(comps)).backward()
+    return {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+
+
+def test_the_training_forward_replays_the_recorded_routes_only_when_routing_replay_is_on(moe_rollouts):
+    """The learner's router nudged off the generator's, so routing afresh takes other experts: rl_step's gradient is
+    the float64 reference's that replays the recorded experts under model.routing_replay: rollout, and the one that
+    routes afresh under none. The two references differ (most in the routers and the experts), so a learner that
+    always, or never, replays fails one of the two; the routing/* metrics could not tell (they are the same numbers
+    in both modes: test_the_gaps_with_and_without_replay_are_measured_on_a_probe_of_the_first_micro_batch)."""
+    model, prompts, comps = moe_rollouts
+    net = nudged_router(model)
+    want = {replay: float64_moe_gradient(net, prompts, comps, [replay] * len(comps)) for replay in (True, False)}
+    flat = lambda grads: torch.cat([g.flatten() for g in grads.values()])  # noqa: E731
+    apart = (flat(want[True]) - flat(want[False])).norm() / flat(want[True]).norm()
+    assert apart > 0.3, apart  # (measured 0.95) replaying or not changes the update by far more than the tolerance
+    for replay in (True, False):
+        learner = copy.deepcopy(net)
+        cfg, opt, guard = rl_setup(learner, **{"model.routing_replay": "rollout" if replay else "none", "optim.grad_clip": 1e9,
+                                               "grpo.agg": "seq-mean-token-mean", "optim.max_tokens_per_micro_batch": 60})
+        batch = RolloutBatch([Sample(p, c.token_ids, c.logprobs, float(i % 3 == 0), i // 2, (0, 0), c.finish_reason, {},
+                                     routes=c.routes) for i, (p, c) in enumerate(zip(prompts, comps))], 0, {}, {})
+        train.rl_step(cfg, learner, None, opt, guard, batch, 0)
+        got = {n: p.grad for n, p in learner.named_parameters() if p.grad is not None}
+        assert set(got) == set(want[replay])
+        torch.testing.assert_close(flat(got).double(), flat(want[replay]), rtol=1e-4, atol=1e-6)
+
+
+def test_samples_without_routes_route_afresh_beside_replayed_ones_counted_and_said_once(moe_rollouts, monkeypatch,
+                                                                                        capsys):
+    """Samples that carry no generator routes (Sample.routes None) in a micro-batch with others that do: theirs route
+    afresh token by token while the others still replay (the float64 reference's gradient, each sample as it routes),
+    routing/unrecorded is their share of the step's samples, and the console says so once, not every step."""
+    model, prompts, comps = moe_rollouts
+    net, missing = nudged_router(model), {1, 4, 10}  # (the router nudged: routing afresh takes other experts)
+    want = float64_moe_gradient(net, prompts, comps, [i not in missing for i in range(len(comps))])
+    monkeypatch.setattr(variants, "SAID", set())
+    learner = copy.deepcopy(net)
+    cfg, opt, guard = rl_setup(learner, **{"optim.grad_clip": 1e9, "grpo.agg": "seq-mean-token-mean",
+                                           "optim.max_tokens_per_micro_batch": 60})
+    batch = RolloutBatch([Sample(p, c.token_ids, c.logprobs, float(i % 3 == 0), i // 2, (0, 0), c.finish_reason, {},
+                                 routes=None if i in missing else c.routes)
+                          for i, (p, c) in enumerate(zip(prompts, comps))], 0, {}, {})
+    parts = parallel.packed_micro_batches(learner, [s.row() for s in batch.samples], 60, "cpu",
+                                          [s.routes for s in batch.samples])
+    assert any(0 < mb.unrecorded() < len(mb.samples) for _, mb in parts)  # a micro-batch mixes the two
+    m = train.rl_step(cfg, learner, None, opt, guard, batch, 0)
+    got = torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None]).double()
+    torch.testing.assert_close(got, torch.cat([g.flatten() for g in want.values()]), rtol=1e-4, atol=1e-6)
+    assert m["routing/unrecorded"] == pytest.approx(3 / 12) and 0 < m["routing/agree"] < 1
+    out = capsys.readouterr().out
+    assert out.count("carry no generator routes") == 1 and "routing/unrecorded" in out
+    m = train.rl_step(cfg, learner, None, opt, guard, batch, 1)  # a second step: counted again, said no more
+    assert m["routing/unrecorded"] == pytest.approx(3 / 12) and "no generator routes" not in capsys.readouterr().out
+    assert moe_rl_step(copy.deepcopy(net), prompts, comps, "rollout")["routing/unrecorded"] == 0.0  # all recorded
+    # none recorded: every token routes afresh, and nothing replayed has no agreement or gaps to report
+    want = float64_moe_gradient(net, prompts, comps, [False] * len(comps))
+    learner = copy.deepcopy(net)
+    cfg, opt, guard = rl_setup(learner, **{"optim.grad_clip": 1e9, "grpo.agg": "seq-mean-token-mean"})
+    for s in batch.samples:
+        s.routes = None
+    m = train.rl_step(cfg, learner, None, opt, guard, batch, 0)
+    got = torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None]).double()
+    torch.testing.assert_close(got, torch.cat([g.flatten() for g in want.values()]), rtol=1e-4, atol=1e-6)
+    assert {k for k in m if k.startswith("routing/")} == {"routing/unrecorded"} and m["routing/unrecorded"] == 1.0
 
 
 def test_an_moe_runs_routes_survive_a_checkpoint_and_resume_exactly(tmp_path):
