@@ -414,14 +414,22 @@ class Skips:
         return (self.total, self.run)
 
     def update(self, stage, step, metrics):
-        """Count the step; adds train/skipped_steps to metrics; stops the run after `limit` in a row."""
+        """Count the step and add train/skipped_steps to metrics. A step that changed no weight says why on the
+        console (rank 0), one line: a non-finite loss or gradient norm (`limit` in a row stop the run), or an RL
+        batch with no sample left to train on (rl_step returned before any step: no train/skipped)."""
+        what = ", ".join(f"{k.removeprefix('train/')} {metrics[k]}" for k in ("train/loss", "train/grad_norm")
+                         if k in metrics and not math.isfinite(metrics[k])) or "the loss or gradient"
         if metrics.get("train/skipped"):
             self.total, self.run = self.total + 1, self.run + 1
+            if rank() == 0 and self.run < self.limit:
+                print(f"[train] {stage} step {step} skipped, no weight changed: {what} not finite ({self.run} in a "
+                      f"row; optim.max_skipped_steps: {self.limit} in a row stop the run)", flush=True)
         else:
             self.run = 0
+            if "train/skipped" not in metrics and rank() == 0:
+                print(f"[train] {stage} step {step} trained nothing: no sample of its batch was left (stale, failed or "
+                      f"masked)", flush=True)
         metrics["train/skipped_steps"] = self.total
         if self.run >= self.limit:
-            what = ", ".join(f"{k.removeprefix('train/')} {metrics[k]}" for k in ("train/loss", "train/grad_norm")
-                             if k in metrics and not math.isfinite(metrics[k])) or "the loss or gradient"
             raise FloatingPointError(f"{stage} step {step}: {what} for {self.run} steps in a row (optim.max_skipped_steps: "
                                      f"{self.limit}); the skipped steps changed no weights. Lower the learning rate?")

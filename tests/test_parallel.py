@@ -15,7 +15,9 @@ from families.mla_moe import Routing
 from model import FP32_PARAMS, GLM, GLMConfig
 
 
-def test_skips_in_a_row_stop_with_one_line():
+def test_skips_in_a_row_stop_with_one_line(capsys):
+    """Each skipped step says why in one console line, as does an RL step with nothing to train on; `limit` skips in
+    a row stop the run with one line."""
     skips = parallel.Skips(limit=3)
     for step in range(1, 3):
         skips.update("rl", step, {"train/skipped": 1.0, "train/loss": float("nan"), "train/grad_norm": 1.0})
@@ -26,6 +28,12 @@ def test_skips_in_a_row_stop_with_one_line():
     with pytest.raises(FloatingPointError) as e:
         skips.update("rl", 6, {"train/skipped": 1.0, "train/loss": 1.0, "train/grad_norm": float("inf")})
     assert str(e.value).startswith("rl step 6: grad_norm inf for 3 steps in a row") and "\n" not in str(e.value)
+    skips.update("rl", 7, {"staleness/dropped": 4})  # rl_step returned early: every sample stale
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("[train] rl step 1 skipped, no weight changed: loss nan not finite (1 in a row; "
+                        "optim.max_skipped_steps: 3 in a row stop the run)")
+    assert len(lines) == 5 and "rl step 5 skipped, no weight changed: grad_norm inf not finite (2 in a row" in lines[3]
+    assert lines[4] == "[train] rl step 7 trained nothing: no sample of its batch was left (stale, failed or masked)"
 
 
 def test_micro_batches_in_one_process_are_the_groups():
