@@ -2,11 +2,10 @@
 GRPO for GLM models the way GLM-5 trains them. This file is the algorithm: the stages, the RL step and the
 loop. rollout.py makes the batches; machinery/ holds the plumbing, reached through a few calls: startup.start
 (config, data, weights, engine), parallel (ranks, FSDP2/DDP, micro-batches, the optimizer step, the weights a
-publish sends), checkpoint (saves, resume, the KL reference), variants (what rl_step adds when a variant is on:
-the KL reference's log-probs, distillation's advantages, routing replay's diagnostics, a dummy micro-batch),
-colocate (one GPU for both halves), lora (low-rank adapters) and teacher (on-policy distillation's frozen
-teacher). On the default run (one process, no LoRA, no teacher) the calls of colocate, teacher and variants are
-no-ops that return at once, and lora's only say what RL trains (every weight but the indexer) and at which lr.
+publish sends), checkpoint (saves, resume, the KL reference), variants (what a variant adds to a step: the KL
+reference's log-probs, distillation's advantages, routing replay's diagnostics, the MTP layers' loss, a dummy
+micro-batch), colocate (one GPU for both halves), lora (adapters) and teacher (distillation's frozen teacher). On
+the default run (one process) they are no-ops, but for lora's choice of what RL trains and at which lr.
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
@@ -73,14 +72,15 @@ def _chunk_logprobs(lm_head, h, targets, temperature, entropy):
     return logp, ent if entropy == "grad" else ent.detach()  # the metric alone needs no backward
 
 
-def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=True, entropy=None, routing=None):
+def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=True, entropy=None, routing=None, mtp=0.0):
     """One forward over several sequences packed into a single row, without padding.
     rows: [(token ids, spans)], spans the (start, length) runs of tokens to score: a response after its prompt,
     or a multi-turn trajectory's model turns. Position ids restart at 0 for every sequence, which is how model.py
     knows where one ends: no token attends across sequences, and attention costs sum_i L_i^2 (model.Packed).
     entropy: None (not needed), "metric" (no gradient) or "grad" (the loss has an entropy term). Returns
     (logprobs [N] of every scored token, the sequences one after the other; entropies [N] or None; indexer
-    KL or None). routing (MoE): a mla_moe.Routing over the row, the generator's experts to replay (MicroBatch.routing)."""
+    KL or None; MTP loss or None). routing (MoE): a mla_moe.Routing over the row, the generator's experts to replay
+    (MicroBatch.routing). mtp: model.mtp_loss_scale, where the model's MTP layers train (variants.mtp_loss)."""
     net = unwrap(model)  # model may be DDP/FSDP-wrapped: call it, but reach its lm_head directly
     device = net.embed_tokens.weight.device
     lengths = [len(seq) for seq, _ in rows]
@@ -93,10 +93,13 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     predicting = [(o + a - 1, n) for o, (_, spans) in zip(offsets, rows) for a, n in spans]
     where = (data.spans(*zip(*predicting), device) if logprobs and predicting
              else torch.zeros(0, dtype=torch.long, device=device))  # [N]; none for the indexer alone
-    out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden=True, keep=where, routing=routing)
+    trunk = bool(mtp and net.cfg.mtp_layers)  # the MTP loss reads the trunk's states at every position
+    out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden="trunk" if trunk else True,
+                keep=None if trunk else where, routing=routing)
     hidden, kl = out if indexer_loss is not None else (out, None)  # [1, N, hidden]
+    hidden, mtp_loss = variants.mtp_loss(net, hidden, ids, pos, where, mtp) if trunk else (hidden, None)
     if not logprobs:
-        return None, None, kl
+        return None, None, kl, mtp_loss
     h, targets = hidden[0], ids[0, where + 1]  # [N, hidden], [N]: the token each kept position predicts
     logp, ent = [], []
     # Large logits are not kept for backward: each chunk's are made again there (activation checkpointing)
@@ -106,19 +109,17 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
         lp, en = chunk(net.lm_head, h[c:c + LOGIT_CHUNK], targets[c:c + LOGIT_CHUNK], temperature, entropy)
         logp.append(lp)
         ent.append(en)
-    return torch.cat(logp), torch.cat(ent) if entropy else None, kl
+    return torch.cat(logp), torch.cat(ent) if entropy else None, kl, mtp_loss
 
 
 def lr_at(cfg: Config, base_lr, step):
-    """Linear warm-up over the first optim.warmup_steps of a stage. A fresh AdamW's first updates are
-    sign(g) * lr for every weight (m / sqrt(v) = +-1 until v has history): with noisy RL gradients
-    that alone can wreck a policy."""
+    """Linear warm-up over a stage's first optim.warmup_steps. A fresh AdamW's first updates are sign(g) * lr for
+    every weight (m / sqrt(v) = +-1 until v has history): with noisy RL gradients that alone can wreck a policy."""
     return base_lr * min(1.0, (step + 1) / max(1, cfg.optim.warmup_steps))
 
 
 def adamw(cfg: Config, model, lr, weight_decay):
-    """AdamW over the parameters that train in this stage; the fused kernel updates every tensor in one
-    pass (CPU and CUDA, FSDP's sharded DTensors too) instead of a dozen small ops per tensor."""
+    """AdamW over the stage's trainable parameters; fused: one pass over every tensor (FSDP's DTensors too)."""
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=tuple(cfg.optim.betas),
                              weight_decay=weight_decay, fused=True)
 
@@ -127,10 +128,10 @@ def adamw(cfg: Config, model, lr, weight_decay):
 
 
 def train_warmup(stage, run: startup.Run):
-    """dsa_warmup: the rest of the model frozen, the indexer minimises KL(attention || indexer) with
-    dense attention. sft: next-token loss on the reference responses; with DSA, attention is top-k and
-    the indexer keeps learning from the KL over its selected keys (inputs detached: the two losses
-    train disjoint parameters). Every rank draws the same global batch and trains its share of it."""
+    """dsa_warmup: the rest of the model frozen, the indexer minimises KL(attention || indexer) with dense attention.
+    sft: next-token loss on the reference responses; with DSA, attention is top-k and the indexer learns from the KL
+    over its selected keys, and MTP layers learn the same tokens (inputs detached: the losses train disjoint
+    parameters). Every rank draws the same global batch and trains its share of it."""
     cfg, model, resume, log = run.cfg, run.model, run.resume, run.log
     steps = cfg.train.dsa_warmup_steps if stage == "dsa_warmup" else cfg.train.sft_steps
     indexer_only, device = stage == "dsa_warmup", model.lm_head.weight.device
@@ -143,6 +144,7 @@ def train_warmup(stage, run: startup.Run):
     step, skips = resumed(resume, stage, "step", 0), Skips(cfg.optim.max_skipped_steps, *resumed(resume, stage, "skipped", (0, 0)))
     restore(resume, stage, learner, optimizer, stream)  # a stage resumed mid-way: optimizer state, prompt stream
     indexer_loss = "dense" if indexer_only else ("sparse" if model.cfg.dsa else None)
+    mtp_scale = 0.0 if indexer_only else cfg.model.mtp_loss_scale  # sft: MTP layers learn the references' tokens too
     bar = tqdm(total=steps, initial=step, desc=stage, dynamic_ncols=True, disable=rank() != 0)
     while step < steps:
         t0 = time.perf_counter()
@@ -157,23 +159,25 @@ def train_warmup(stage, run: startup.Run):
         groups = [[mine[j] for j in mb] for mb in
                   data.pack_by_tokens([len(rows[i][0]) for i in mine], cfg.optim.max_tokens_per_micro_batch)]
         optimizer.zero_grad(set_to_none=True)
-        nll_sum = kl_sum = 0.0
+        nll_sum = kl_sum = mtp_sum = 0.0
         parts = micro_batches(learner, groups)
         for k, mb in parts:
             part = [rows[i] for i in mb] if mb is not None else dummy_rows(model)
             with autocast(device):
-                logp, _, kl = packed_forward(learner, part, 1.0, indexer_loss, logprobs=not indexer_only)
+                logp, _, kl, mtp = packed_forward(learner, part, 1.0, indexer_loss, logprobs=not indexer_only, mtp=mtp_scale)
                 nll = -logp.sum() / n_answer if logp is not None else torch.zeros((), device=device)
                 kl = kl * sum(len(s) for s, _ in part) / n_all if kl is not None else torch.zeros((), device=device)
-            learner_backward(learner, (nll + kl) * (mb is not None), last=k == len(parts) - 1)  # parts of global means
+                mtp = mtp * sum(n for _, spans in part for _, n in spans) / n_answer if mtp is not None else 0.0
+            learner_backward(learner, (nll + kl + mtp) * (mb is not None), last=k == len(parts) - 1)  # parts of global means
             if mb is not None:
-                nll_sum, kl_sum = nll_sum + float(nll.detach()), kl_sum + float(kl.detach())
-        nll_sum, kl_sum = global_sum(nll_sum, kl_sum)
-        row = optimizer_step(optimizer, model, nll_sum + kl_sum, cfg.optim.grad_clip, lambda: lr_at(cfg, lr, step))
+                nll_sum, kl_sum, mtp_sum = nll_sum + float(nll.detach()), kl_sum + float(kl.detach()), mtp_sum + float(mtp)
+        nll_sum, kl_sum, mtp_sum = global_sum(nll_sum, kl_sum, mtp_sum)
+        row = optimizer_step(optimizer, model, nll_sum + kl_sum + mtp_sum, cfg.optim.grad_clip, lambda: lr_at(cfg, lr, step))
         step += 1
         row |= {"perf/step_s": time.perf_counter() - t0, "perf/tokens_per_s": n_all / (time.perf_counter() - t0)}
         row |= {} if indexer_only else {"train/loss": nll_sum}
         row |= {"train/indexer_kl": kl_sum} if indexer_loss is not None else {}
+        row |= {"train/mtp_loss": mtp_sum} if mtp_scale and model.cfg.mtp_layers else {}
         skips.update(stage, step, row | {"train/loss": nll_sum + kl_sum})
         row["train/skipped_steps"] = skips.total
         log.write(stage, step, row)
@@ -194,10 +198,9 @@ def train_warmup(stage, run: startup.Run):
 
 
 def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
-    """One GRPO update on this rank's rollout batch (all ranks step together); returns the step's
-    metrics. Loss sums and token means are global; sample counts are this rank's. In one process (the default)
-    parallel's calls are plain: global_sum and loss_metrics sum this rank's numbers, packed_micro_batches packs,
-    learner_backward is loss.backward(), and no micro-batch is a dummy (None)."""
+    """One GRPO update on this rank's rollout batch (all ranks step together); returns the step's metrics. Loss sums
+    and token means are global; sample counts are this rank's. In one process (the default) parallel's calls are
+    plain: global_sum and loss_metrics sum this rank's numbers, learner_backward is loss.backward(), no dummies."""
     g, device = cfg.grpo, unwrap(model).lm_head.weight.device
     # The staleness guard: the generator's gate already bounds every sample's age (rollout.py's docstring),
     # so this drops nothing unless that gate is broken, and staleness/dropped then says so.
@@ -248,15 +251,16 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     sums, n_tokens, gap_sum, gap_max = {}, 0, torch.zeros((), device=device), torch.zeros((), device=device)
     entropy = "grad" if g.entropy_coef else "metric"
     replay = cfg.model.routing_replay == "rollout"  # MoE: the learner takes the experts the generator took
+    mtp_scale = cfg.model.mtp_loss_scale  # (a model with MTP layers: their loss; 0 freezes them)
     temperature = cfg.rollout.temperature  # the learner's log-probs are of the distribution the generator sampled
     for k, mb in parts:
         last = k == len(parts) - 1
         routing = mb.routing(replay) if mb else None  # None for a dense model
         with autocast(device):  # bf16 autocast on a GPU (fp32 master weights); off on a CPU
-            logp, ent, _ = packed_forward(model, mb.rows if mb else dummy_rows(model), temperature, entropy=entropy,
-                                          routing=routing)  # [N_mb] log pi_theta (= pi_prox in value)
+            logp, ent, _, mtp = packed_forward(model, mb.rows if mb else dummy_rows(model), temperature, entropy=entropy,
+                                               routing=routing, mtp=mtp_scale)  # [N_mb] log pi_theta (= pi_prox in value)
             if mb is None:
-                variants.dummy_micro_batch(model, logp, last, k == 0, packed_forward, temperature)
+                variants.dummy_micro_batch(model, logp, last, k == 0, packed_forward, temperature, mtp)
                 continue
             a = adv[mb.samples].to(device)  # [B]: each sample's advantage, for every one of its tokens
             if teacher_logp is not None:  # on-policy distillation: per token, [B, T]
@@ -264,6 +268,8 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
             loss, m = grpo.policy_loss(mb.pad(logp), mb.pad(gen_logp[mb.tokens]), a, mb.mask, g,
                                        ref_logp=None if ref_logp is None else mb.pad(ref_logp[mb.tokens]),
                                        entropy=mb.pad(ent), loss_scale=loss_scale)
+        if mtp is not None:  # the MTP layers (model.mtp_layers) learn to draft this policy's tokens, beside GRPO
+            loss = loss + variants.mtp_share(mtp, len(mb.tokens), len(gen_logp), sums)
         learner_backward(model, loss, last)  # (loss * world()).backward(): DDP/FSDP average ranks' gradients
         gap = (logp.detach() - gen_logp[mb.tokens]).abs()  # learner vs generator, per token
         gap_sum, gap_max = gap_sum + gap.sum(), torch.maximum(gap_max, gap.max())
@@ -290,9 +296,8 @@ def train_rl(run: startup.Run, ref_model):
     """Each rank generates prompts_per_step / world() groups from its own slice of the prompts, and all
     ranks' learners take one optimizer step together on the union: the global batch."""
     cfg, model, engine, resume, t = run.cfg, run.model, run.engine, run.resume, run.cfg.train
-    # What RL trains, decided here where its optimizer is built: every weight but the DSA indexer, which GLM-5
-    # keeps frozen in RL (the warm-ups taught it which keys attention needs; the policy gradient never reaches
-    # it), or, with model.lora, only low-rank adapters on every decoder linear of the frozen base (lora.py).
+    # What RL trains: every weight but the DSA indexer, which GLM-5 keeps frozen in RL (the warm-ups taught it which
+    # keys attention needs), or, with model.lora, only low-rank adapters on the frozen base's decoder linears.
     lora.rl_trainable(model, cfg)
     learner = parallel_learner(model, model.lm_head.weight.device, t.parallel)  # FSDP swaps in sharded parameters
     optimizer, g = adamw(cfg, model, lora.rl_lr(cfg), cfg.optim.weight_decay), cfg.grpo
@@ -308,12 +313,10 @@ def train_rl(run: startup.Run, ref_model):
                     first_index=version, end=t.rl_steps, rank=rank(), world=world(), run_dir=cfg.run_dir, ready=ready,
                     teacher=teacher)
     # The layout decides what happens around each publish: split (two GPUs, or one CPU's threads) moves nothing;
-    # co-located, the engine's KV pool and weights leave the GPU while the learner steps, the learner's state while
-    # the engine generates (colocate.py). Weights reach the engine one way, gen.publish, first the learner's whole
-    # model (LoRA on one device: the engine decodes on the learner's own base, so only the adapters travel).
+    # co-located, the engine's pool and weights leave the GPU while the learner steps, and back (colocate.py). Weights
+    # reach the engine by gen.publish (LoRA on one device: the engine decodes the learner's own base; adapters travel).
     layout = colocate.handoff(cfg, engine, learner, optimizer, model.lm_head.weight.device, world())
     gen_dtype, shared = getattr(engine, "dtype", None), lora.share_base(engine, model)
-    # (this first publish returns at once: the generator thread has not started, so no batch can be waiting on it)
     gen.publish(full_weights(learner, gen_dtype, cfg.rollout.quantization, base=not shared), version)
     layout.to_generator()
     if version == 0:

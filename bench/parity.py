@@ -135,14 +135,14 @@ def learner_logprobs(model, rows, temperature, amp):
     ctx = (parallel.autocast(device) if device.type == "cuda" else torch.autocast("cpu", dtype=torch.bfloat16)) \
         if amp else torch.autocast(device.type, enabled=False)
     with torch.enable_grad(), ctx:
-        logp, _, _ = train.packed_forward(model, spanned(rows), temperature)
+        logp, _, _, _ = train.packed_forward(model, spanned(rows), temperature)
     return logp.detach().float().cpu()
 
 
 @torch.no_grad()
 def prefill_logprobs(gen, rows, temperature):
     """The generator's bf16 weights, no autocast: the packed forward of the engine's prefill, teacher-forced."""
-    logp, _, _ = train.packed_forward(gen, spanned(rows), temperature)
+    logp, _, _, _ = train.packed_forward(gen, spanned(rows), temperature)
     return logp.float().cpu()
 
 

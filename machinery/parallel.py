@@ -208,13 +208,14 @@ def gather_policy(device):
     return MixedPrecisionPolicy()
 
 
-def load_learner(path, dsa, device, parallel, dtype=torch.float32):
+def load_learner(path, dsa, device, parallel, dtype=torch.float32, mtp=None):
     """A learner's model (or the KL reference) from an HF directory. Under FSDP with several ranks it is
     sharded on the meta device before anything is allocated, and each rank reads only its own rows of
-    each tensor from the files (model.GLM.from_pretrained): no rank ever holds the full fp32 model."""
+    each tensor from the files (model.GLM.from_pretrained): no rank ever holds the full fp32 model.
+    mtp: model.mtp_layers (None keeps the checkpoint's MTP layers)."""
     sharded = world() > 1 and parallel == "fsdp"
     return GLM.from_pretrained(path, dsa=dsa, dtype=dtype, device=device,
-                               shard=(lambda m: shard(m, device)) if sharded else None)
+                               shard=(lambda m: shard(m, device)) if sharded else None, mtp=mtp)
 
 
 def unwrap(model) -> GLM:
@@ -384,12 +385,15 @@ def optimizer_step(optimizer, model, loss, grad_clip, lr) -> dict:
     """Clip the gradient, then step at lr(), unless the step's global loss or gradient norm is not finite
     (then the gradients are dropped and nothing changes). lr is a function: the KL guard must see only
     steps that happen. Afterwards the trained weights must still be finite (one host sync), or nothing
-    downstream (generator, checkpoint) may see them. Returns the step's train/ metrics."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = clip_grad_norm(params, grad_clip)
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+    downstream (generator, checkpoint) may see them. Returns the step's train/ metrics. MTP layers (their own loss,
+    the trunk detached) are clipped apart (train/mtp_grad_norm): their gradient never scales the policy's."""
+    trained = [(n, p) for n, p in unwrap(model).named_parameters() if p.requires_grad]
+    grad_norm = clip_grad_norm([p for n, p in trained if not n.startswith("mtp.")], grad_clip)
+    drafter = [p for n, p in trained if n.startswith("mtp.")]
+    mtp = {"train/mtp_grad_norm": clip_grad_norm(drafter, grad_clip)} if drafter else {}
+    if not (math.isfinite(loss) and math.isfinite(grad_norm) and all(map(math.isfinite, mtp.values()))):
         optimizer.zero_grad(set_to_none=True)
-        return {"train/grad_norm": grad_norm, "train/skipped": 1.0}
+        return {"train/grad_norm": grad_norm, "train/skipped": 1.0} | mtp
     lr = lr()
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -400,7 +404,7 @@ def optimizer_step(optimizer, model, loss, grad_clip, lr) -> dict:
     if not all(all_gather(ok)):
         bad = next((n for n, p in named if not torch.isfinite(p.detach()).all()), "a weight shard on another rank")
         raise FloatingPointError(f"the optimizer step at lr {lr:g} made {bad} non-finite; nothing was published or saved")
-    return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": 0.0}
+    return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": 0.0} | mtp
 
 
 @dataclass

@@ -124,7 +124,8 @@ def start(argv, description, script, default_config, single_turn) -> Run | None:
         sets = {name: examples_of(src, "eval") for name, src in eval_sets(cfg).items()}
         frozen = cfg.model.lora is not None and devices[1].type == "cuda" and not (cfg.train.dsa_warmup_steps or cfg.train.sft_steps)
         load = lambda path: load_learner(path, cfg.model.dsa, devices[1], cfg.train.parallel,  # noqa: E731  (FSDP: its shards)
-                                         torch.bfloat16 if frozen else torch.float32)  # (LoRA, RL alone: a base that never trains)
+                                         torch.bfloat16 if frozen else torch.float32,  # (LoRA, RL alone: a base that never trains)
+                                         mtp=cfg.model.mtp_layers)
         ckpt, resume, model = (None, None, load(start)) if fresh else load_latest(run_dir, load, world())
     except (OSError, ValueError) as e:
         raise ConfigError(str(e).splitlines()[0]) from e

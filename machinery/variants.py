@@ -11,7 +11,8 @@ never imports a chapter above it.
 import torch
 
 import grpo
-from machinery.parallel import autocast, dummy_rows, learner_backward, unwrap
+from families import mtp
+from machinery.parallel import autocast, dummy_rows, learner_backward, unwrap, world
 
 ROUTING_PROBE_SAMPLES = 32  # routing_metrics' extra forward: this many samples of each rank's first micro-batch at most
 SAID = set()  # the console lines said once per process (routing_metrics': "unrecorded")
@@ -29,6 +30,27 @@ def reference_logprobs(ref_model, parts, forward, temperature, like):
             if mb:
                 ref_logp[mb.tokens] = lp
     return ref_logp
+
+
+def mtp_loss(net, trunk, ids, pos, where, scale):
+    """Training the MTP layers (model.mtp_layers, model.mtp_loss_scale > 0) beside a stage's objective, from one
+    forward: trunk [1, L, hidden] (the trunk's states at every position, before the final norm: the MTP layers read
+    every position, the prompt's too) -> (the model's hidden states [1, N, hidden] at the kept positions `where`, as
+    packed_forward needs them, and families/mtp.mtp_loss over the row's scored tokens, each predicted two ahead
+    from the position before the one that predicts it). The trunk is detached: only the MTP layers learn from it, and
+    the policy's gradient stays the stage's own (RL: GRPO's; SFT: the next-token loss)."""
+    targets = torch.zeros_like(ids, dtype=torch.bool)
+    targets[0, where + 1] = True  # [1, L]: the scored tokens, what the MTP layers learn to draft
+    return net.norm(trunk[:, where]), mtp.mtp_loss(net, trunk, ids, targets, pos, detach_trunk=True, scale=scale)
+
+
+def mtp_share(loss, n, n_rank, sums):
+    """A micro-batch's MTP loss (a mean over its n scored tokens) as its share of the step's: n / n_rank of this
+    rank's tokens, and 1 / world() so that the ranks' parts (learner_backward multiplies by world(), DDP averages)
+    add up to the mean over ranks. Summed into sums["mtp_loss"] times n (train/mtp_loss: a token mean, as the
+    other metrics)."""
+    sums["mtp_loss"] = sums.get("mtp_loss", 0.0) + loss.detach() * n
+    return loss * n / n_rank / world()
 
 
 def keep_cut(samples, adv):
@@ -53,10 +75,11 @@ def distill(adv, mb, logp, teacher_logp, d, sums):
     return adv
 
 
-def dummy_micro_batch(model, logp, last, first, forward, temperature):
-    """A rank with fewer micro-batches than another runs the same collectives at weight 0 (logp: its forward over
-    parallel.dummy_rows): a zero backward and, on an MoE model, routing_metrics' extra forward."""
-    learner_backward(model, logp.sum() * 0.0, last)
+def dummy_micro_batch(model, logp, last, first, forward, temperature, mtp_loss=None):
+    """A rank with fewer micro-batches than another runs the same collectives at weight 0 (logp, mtp_loss: its forward
+    over parallel.dummy_rows): a zero backward (through the MTP layers too, where they train: DDP reduces every
+    gradient) and, on an MoE model, routing_metrics' extra forward."""
+    learner_backward(model, logp.sum() * 0.0 + (0.0 if mtp_loss is None else mtp_loss * 0.0), last)
     if first and unwrap(model).cfg.moe is not None:
         with torch.no_grad():
             forward(model, dummy_rows(model), temperature)

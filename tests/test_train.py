@@ -83,7 +83,7 @@ def test_packed_logprobs_match_generator(rollouts):
     rows = [(p + c.token_ids, [(len(p), len(c.token_ids))]) for p, c in zip(prompts, comps)]
     with torch.no_grad():
         for mb in data.pack_by_tokens([len(s) for s, _ in rows], 60):
-            logp, _, _ = train.packed_forward(model, [rows[i] for i in mb], temperature=0.7)
+            logp, _, _, _ = train.packed_forward(model, [rows[i] for i in mb], temperature=0.7)
             for i, lp in zip(mb, logp.split([len(comps[i].token_ids) for i in mb])):
                 assert len(lp) == len(comps[i].token_ids)
                 assert (lp - torch.tensor(comps[i].logprobs)).abs().max() < 1e-4
@@ -136,7 +136,7 @@ def test_masked_samples_count_in_their_group_baseline_but_not_in_the_loss(rollou
     per_sample = []
     for i in keep:
         s = batch.samples[i]
-        logp, _, _ = train.packed_forward(ref_model, [s.row()], 0.7)
+        logp, _, _, _ = train.packed_forward(ref_model, [s.row()], 0.7)
         ratio = torch.exp(logp - torch.tensor(s.gen_logprobs))
         clipped = torch.maximum(-adv[i] * ratio, -adv[i] * ratio.clamp(1 - 0.2, 1 + 0.28))
         w = torch.exp(logp.detach() - torch.tensor(s.gen_logprobs))
@@ -158,6 +158,51 @@ def test_micro_batches_sum_to_the_full_batch_gradient(rollouts, agg):
         grads.append(torch.cat([p.grad.flatten() for p in learner.parameters() if p.grad is not None]))
     assert grads[0].abs().max() > 0
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+def test_an_rl_step_trains_the_mtp_layer_on_its_tokens_and_leaves_the_policy_gradient_to_grpo(rollouts):
+    """model.mtp_layers: the MTP layer learns to draft the batch's model tokens (families/mtp.mtp_loss over one packed
+    row of the trained samples, scaled by model.mtp_loss_scale), while every other weight gets exactly the gradient of
+    a step without it (the trunk detached); model.mtp_loss_scale 0 freezes the layer (no gradient at all)."""
+    from families import mtp
+    _, _, prompts, comps = rollouts
+    base = tiny_model()
+    torch.manual_seed(1)
+    model = GLM(GLMConfig(**{**base.cfg.__dict__, "mtp_layers": 1}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(base.get_parameter(name) if not name.startswith("mtp.") else p + torch.randn_like(p) * 0.2)
+    batch = make_batch(prompts, comps, [(0, 0)] * len(comps))
+    grads = {}
+    for scale, clip in ((0.2, 1e9), (0.0, 1e9), (0.2, 1e-3), (0.0, 1e-3)):  # (a tight clip: each part clipped apart)
+        learner = copy.deepcopy(model)
+        cfg, opt, guard = rl_setup(learner, **{"model.mtp_loss_scale": scale, "optim.grad_clip": clip})
+        m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+        grads[scale, clip] = {n: p.grad for n, p in learner.named_parameters()}
+        assert ("train/mtp_loss" in m) == (scale > 0) and (m["train/mtp_grad_norm"] > 0) == (scale > 0)
+    for clip in (1e9, 1e-3):
+        trunk = [n for n, g in grads[0.0, clip].items() if not n.startswith("mtp.") and g is not None]
+        assert trunk and all(grads[0.0, clip][n] is None for n in grads[0.0, clip] if n.startswith("mtp."))
+        for n in trunk:  # the policy's gradient is GRPO's alone
+            torch.testing.assert_close(grads[0.2, clip][n], grads[0.0, clip][n], rtol=1e-5, atol=1e-8)
+    grads = grads[0.2, 1e9]
+    # The MTP layer's: the gradient of mtp_loss over the samples packed in one row (one micro-batch here)
+    ref = copy.deepcopy(model)
+    rows = [s.row() for s in batch.samples]
+    ids = torch.tensor([t for seq, _ in rows for t in seq])[None]
+    pos = torch.cat([torch.arange(len(seq)) for seq, _ in rows])[None]
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    at = 0
+    for seq, spans in rows:
+        for a, n in spans:
+            mask[0, at + a:at + a + n] = True
+        at += len(seq)
+    trunk_hidden = ref(ids, position_ids=pos, return_hidden="trunk")
+    mtp.mtp_loss(ref, trunk_hidden, ids, mask, pos, detach_trunk=True, scale=0.2).backward()
+    mtp_names = [n for n in grads if n.startswith("mtp.") and grads[n] is not None]
+    assert mtp_names and any(grads[n].abs().max() > 0 for n in mtp_names)
+    for n in mtp_names:
+        torch.testing.assert_close(grads[n], ref.get_parameter(n).grad, rtol=1e-4, atol=1e-7)
 
 
 def test_a_non_finite_step_is_skipped_and_changes_nothing(rollouts):
@@ -196,7 +241,7 @@ def test_packed_logprobs_match_a_bf16_generator_under_autocast(rollouts):
         comps = engine.generate(prompts, SamplingParams(temperature=0.7, max_new_tokens=12, stop_token_ids=(1,)), seed=3)
         rows = [(p + c.token_ids, [(len(p), len(c.token_ids))]) for p, c in zip(prompts, comps)]
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            logp, _, _ = train.packed_forward(net, rows, temperature=0.7)
+            logp, _, _, _ = train.packed_forward(net, rows, temperature=0.7)
         gaps[name] = (logp - torch.tensor([x for c in comps for x in c.logprobs])).abs()
     assert max(len(p) + len(c.token_ids) for p, c in zip(prompts, comps)) > 4  # top-k 4: attention is sparse
     # measured: mean gap 0.004 (DSA) vs 0.011 (dense) nats; the worst token 0.69 vs 0.055 (one flipped key)
@@ -1195,7 +1240,7 @@ def test_replayed_routes_give_the_generators_logprobs(moe_rollouts):
     model, prompts, comps = moe_rollouts
     mb, routing = moe_micro_batch(model, prompts, comps)
     with torch.no_grad():
-        logp, _, _ = train.packed_forward(model, mb.rows, temperature=0.7, routing=routing)
+        logp, _, _, _ = train.packed_forward(model, mb.rows, temperature=0.7, routing=routing)
     gen = torch.tensor([x for i in mb.samples for x in comps[i].logprobs])  # (packed in the micro-batch's order)
     assert (logp - gen).abs().max() < 1e-4
     agree, seen = (torch.stack(t).sum(0) for t in zip(*routing.agree))
@@ -1204,7 +1249,7 @@ def test_replayed_routes_give_the_generators_logprobs(moe_rollouts):
     other.replay = (other.replay.long() + 1).remainder(model.cfg.moe.n_routed_experts).to(other.replay.dtype).where(
         other.replay != 255, other.replay)  # every recorded route shifted to the next experts
     with torch.no_grad():
-        shifted, _, _ = train.packed_forward(model, mb.rows, temperature=0.7, routing=other)
+        shifted, _, _, _ = train.packed_forward(model, mb.rows, temperature=0.7, routing=other)
     assert (shifted - gen).abs().max() > 1e-2
 
 
@@ -1227,7 +1272,7 @@ def test_rl_step_replays_routes_and_logs_agreement_and_both_gaps(moe_rollouts):
     for apply in (True, False):
         routing = mb.routing(apply)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            logp, _, _ = train.packed_forward(model, mb.rows, temperature=0.7, routing=routing)
+            logp, _, _, _ = train.packed_forward(model, mb.rows, temperature=0.7, routing=routing)
         gaps[apply] = (logp - gen).abs()
     dense = tiny_model()  # the dense model's own bf16 gap, on the same prompts
     dense = GLM(GLMConfig(**{**dense.cfg.__dict__, "dsa": None}))
@@ -1235,7 +1280,7 @@ def test_rl_step_replays_routes_and_logs_agreement_and_both_gaps(moe_rollouts):
     comps = TorchEngine(copy.deepcopy(dense).cast_(torch.bfloat16), max_batch=8).generate(
         prompts, SamplingParams(temperature=0.7, max_new_tokens=12, stop_token_ids=(1,)), seed=3)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        logp, _, _ = train.packed_forward(dense, [(p + c.token_ids, [(len(p), len(c.token_ids))])
+        logp, _, _, _ = train.packed_forward(dense, [(p + c.token_ids, [(len(p), len(c.token_ids))])
                                                   for p, c in zip(prompts, comps)], temperature=0.7)
     dense_gap = (logp - torch.tensor([x for c in comps for x in c.logprobs])).abs().mean()
     # measured (seeds 0-2): replay mean 0.018-0.020, worst token 0.08-0.10; fresh 0.024-0.052, worst 0.57-1.8 (a
