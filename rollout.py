@@ -523,29 +523,6 @@ def batch_groups(r: Rounds, want: int):
     return kept + top_up, len(r.spare) - len(top_up) + len(surplus)
 
 
-SPEC_STATS = ("spec_drafts", "spec_accepted", "spec_tokens", "spec_rows", "spec_draft_s", "spec_verify_s")
-
-
-def speculation_metrics(engine, seen: dict) -> dict:
-    """A batch's speculative decoding (rollout.speculative_tokens; machinery/speculative.py), from the engine's
-    counters since the last batch (`seen`: the counters then, updated here; an eval between them counts too): the share of drafted tokens accepted,
-    the tokens emitted per row of a verify forward (1 + the accepted drafts), and the seconds the drafter and the
-    verify forwards took. {} without speculation."""
-    stats = getattr(engine, "stats", {})
-    if not stats.get("spec_verifies"):
-        return {}
-    d = {k: stats[k] - seen.get(k, 0) for k in SPEC_STATS}
-    seen |= {k: stats[k] for k in SPEC_STATS}
-    return {"rollout/spec_accept_rate": d["spec_accepted"] / max(1, d["spec_drafts"]),
-            "rollout/spec_tokens_per_verify": d["spec_tokens"] / max(1, d["spec_rows"]),
-            "perf/spec_draft_s": d["spec_draft_s"], "perf/spec_verify_s": d["spec_verify_s"]}
-
-
-def informative_groups(groups) -> int:
-    """How many of the groups (lists of Samples; None: failed) have rewards that differ (grpo.informative)."""
-    return sum(g is not None and grpo.informative([s.reward for s in g]) for g in groups)
-
-
 def evaluate(engine, examples, tokenizer, *, n: int, sampling: SamplingParams, limits: env.Limits, env_cls,
              chat_template: bool, seed=0) -> dict:
     """Accuracy and pass@k of the engine's current weights on held-out examples: n trajectories each, played
@@ -628,3 +605,26 @@ def sft_rows(cfg, tokenizer, examples, env_cls):
     failed = set().union(*all_gather({k for k, ep in enumerate(eps) if ep.failure is not None}))
     return [None if k in failed else (ep.prompt + ep.response, [(len(ep.prompt) + a, n) for a, n in ep.spans])
             for k, ep in enumerate(eps)]
+
+
+SPEC_STATS = ("spec_drafts", "spec_accepted", "spec_tokens", "spec_rows", "spec_draft_s", "spec_verify_s")
+
+
+def speculation_metrics(engine, seen: dict) -> dict:
+    """A batch's speculative decoding (rollout.speculative_tokens; machinery/speculative.py), from the engine's
+    counters since the last batch (`seen`: the counters then, updated here; an eval between them counts too): the
+    share of drafted tokens accepted, the tokens emitted per row of a verify forward (1 + the accepted drafts), and
+    the seconds the drafter and the verify forwards took. {} without speculation."""
+    stats = getattr(engine, "stats", {})
+    if not stats.get("spec_verifies"):
+        return {}
+    d = {k: stats[k] - seen.get(k, 0) for k in SPEC_STATS}
+    seen |= {k: stats[k] for k in SPEC_STATS}
+    return {"rollout/spec_accept_rate": d["spec_accepted"] / max(1, d["spec_drafts"]),
+            "rollout/spec_tokens_per_verify": d["spec_tokens"] / max(1, d["spec_rows"]),
+            "perf/spec_draft_s": d["spec_draft_s"], "perf/spec_verify_s": d["spec_verify_s"]}
+
+
+def informative_groups(groups) -> int:
+    """How many of the groups (lists of Samples; None: failed) have rewards that differ (grpo.informative)."""
+    return sum(g is not None and grpo.informative([s.reward for s in g]) for g in groups)
