@@ -4,8 +4,8 @@ The generation engine: token ids in, sampled completions with their logprobs out
 (machinery/env.py) a trajectory's next turn as it comes, joining the running call; the Generator publishes with
 update_weights(named_tensors, version) and cancels with abort / resume; release hands the memory to the learner
 between calls (colocate.py), and share makes LoRA's frozen base the learner's own tensors (lora.share_base).
-Here: the sampler, TorchEngine and make_engine; SGLang's is sglang.py; SamplingParams and Completion are
-scheduler.py's, importable from here.
+Here: TorchEngine and make_engine; SGLang's is sglang.py; the sampler is sampler.py's, SamplingParams and
+Completion scheduler.py's, all importable from here.
 
 A request's life in TorchEngine, in order. machinery/scheduler.py keeps the books on the host (rows, KV
 blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the rows' state on the device:
@@ -16,8 +16,8 @@ blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the
   prefill    _prefill: the admitted fresh contexts packed into one forward (_pack; a prompt's n samples
              run their shared context once), each one's first token sampled; its row joins _Rows
   decode     _decode, each iteration: one token for every running row at once (eager, or a CUDA graph of
-             a padded bucket: graphs.py), after a new block for each row whose next token starts one
-             (Scheduler.grow)
+             a padded bucket: graphs.py; or k drafts verified in one forward: speculative.py), after a new
+             block for each row whose next token starts one (Scheduler.grow)
   finished   a stop token or its length, seen by the iteration's one device read (_read)
   released   _release / Scheduler.release: its blocks and buffer row go back at once; its tokens copy to
              the host without waiting and join it one iteration later (_land / Scheduler.land): yielded
@@ -35,89 +35,22 @@ produced each completion's tokens (the learner's staleness guard, train.rl_step,
 """
 import collections
 import contextlib
-import functools
 import itertools
-import random
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
-import dsa
-from kernels import dsa_triton
 from machinery import fp8, lora
 from machinery.graphs import DecodeGraphs, decode_forward, key_slots
+from machinery.sampler import _M32, request_seeds, sample_keys, sample_tokens
+from machinery.sampler import _mix32, _vocab_hash  # noqa: F401 (importable from here: the sampler's tests)
 from machinery.scheduler import Completion, Request, SamplingParams, Scheduler, extend_routes
 from machinery.scheduler import ADMIT_FRACTION, PREFILL_TOKENS  # noqa: F401 (importable from here: memory.py's)
 from machinery.sglang import SGLANG_MISSING, SGLangEngine  # noqa: F401 (make_engine's other engine)
+from machinery.speculative import Speculative
 from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, to_device
-
-
-# ----------------------------------------------------------------------------- the sampler
-
-_M32 = 0xFFFFFFFF
-
-
-def _mix32(x):
-    """A bijective hash of int64 tensors holding 32-bit values (two multiply-xorshift rounds; every
-    product stays below 2^63)."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
-
-
-def sample_keys(seeds, steps):
-    """One 32-bit noise key per row: its request's seed and how many tokens it has sampled (int64 [B])."""
-    return _mix32(seeds ^ _mix32(steps & _M32))
-
-
-def request_seeds(seed: int | None, n: int) -> list[int]:
-    """The noise seeds (32 bits) of a call's n requests: one base from the call's seed (None: fresh, from
-    torch's RNG), hashed with each request's index, in one op (not one each)."""
-    base = random.Random(seed).getrandbits(32) if seed is not None else int(torch.randint(0, 2**32, ()))
-    return (base ^ _mix32(torch.arange(n))).tolist()
-
-
-@functools.lru_cache(maxsize=8)
-def _vocab_hash(vocab_size, device):
-    """_mix32 of every token id [V], the same at every step: hashed once per vocabulary and device."""
-    return _mix32(torch.arange(vocab_size, device=device))
-
-
-def sample_tokens(logits, sampling: SamplingParams, keys):
-    """logits [B, V], keys [B] (sample_keys) -> tokens [B], logprobs [B]. Gumbel-max: argmax(logp + g)
-    with g = -log(-log u) draws exactly from softmax(logp), and u is a hash of (key, token id), so a row's
-    draw depends on its own request and step only, never on which rows share its batch (no RNG state).
-    The logprob is of the full temperature-scaled distribution (before top-p truncation), which is what
-    the learner recomputes. A row whose logits are not finite (weights blown up) gets logprob NaN, for the
-    engine to report at its next host sync, instead of a crash in the middle of the batch.
-
-    The place to change how tokens are drawn, with one catch: where temperature > 0, top_p >= 1 (RL's case),
-    dsa.USE_TRITON is on (model.dsa_kernels, default true, dense models too) and the logits are on CUDA (or a CPU
-    under TRITON_INTERPRET=1), the fused kernels.dsa_triton.sample runs instead (the same draws from two reads of
-    the logits; here ~20 passes over [B, V]): a sampler hack edits both, or sets model.dsa_kernels: false."""
-    if sampling.temperature > 0 and sampling.top_p >= 1.0 and dsa._triton(logits):
-        return dsa_triton.sample(logits, sampling.temperature, keys)
-    logits = logits.float()
-    finite = torch.isfinite(logits).all(-1, keepdim=True)  # [B, 1]
-    logits = torch.where(finite, logits, 0.0)
-    if sampling.temperature == 0:
-        logp = logits.log_softmax(-1)
-        tokens = logits.argmax(-1)
-    else:
-        logp = (logits / sampling.temperature).log_softmax(-1)
-        scores = logp
-        if sampling.top_p < 1.0:  # keep the smallest prefix of tokens reaching top_p, sample among them
-            sorted_p, order = logp.exp().sort(-1, descending=True)
-            drop = torch.zeros_like(logp, dtype=torch.bool).scatter(-1, order, sorted_p.cumsum(-1) - sorted_p > sampling.top_p)
-            scores = logp.masked_fill(drop, float("-inf"))
-        # u in (0, 1) from 23 bits: (n + 0.5) / 2^23 is exact in fp32 up to 1 - 2^-24 (with 24 bits the top value
-        # rounds to 1.0, and its noise -log(-log 1) = inf would pick that token whatever its probability)
-        u = (_mix32(keys[:, None] ^ _vocab_hash(logp.shape[-1], logp.device)[None]) >> 9).float().add_(0.5).mul_(2.0 ** -23)
-        tokens = (scores - u.log_().neg_().log_()).argmax(-1)
-    logp = logp.gather(-1, tokens[:, None])[:, 0]
-    return tokens, torch.where(finite[:, 0], logp, float("nan"))
 
 
 # ----------------------------------------------------------------------------- the torch engine
@@ -155,9 +88,9 @@ class TorchEngine:
     finished row leaves at once and waiting ones take the free rows as soon as ADMIT_FRACTION of them are free,
     so no row waits for the longest. A row's KV never moves: it takes blocks as it grows.
 
-    Host work: the rows' state stays on the device (_Rows), an iteration reads back only their status and
-    counts, once, and a finished row's tokens travel in bulk, landing by the next iteration's read.
-    graphs=True: the decode forward runs as a CUDA graph of a padded bucket (graphs.DecodeGraphs).
+    Host work: the rows' state stays on the device (_Rows), an iteration reads back only their status and counts, once,
+    and a finished row's tokens travel in bulk, landing by the next iteration's read. graphs=True: the decode forward runs
+    as a CUDA graph of a padded bucket (graphs.DecodeGraphs); speculative (speculative.py): k drafts verified per forward.
 
     Sampling is per request (sample_tokens: noise from a hash of the request's seed and step), so a fixed
     seed gives the same tokens whatever the batch, retraction or re-prefill. Calls take turns (`call_lock`):
@@ -171,11 +104,11 @@ class TorchEngine:
     its model: it is put in eval mode and frozen, so never hand it the learner's."""
 
     def __init__(self, model: GLM, max_batch: int = 64, kv_tokens: int | None = None, reprefill: bool = False,
-                 graphs: bool = False):
+                 graphs: bool = False, speculative=None):
         self.model = model.eval().requires_grad_(False)
         self.max_batch, self.kv_tokens, self.reprefill, self.use_graphs = max_batch, kv_tokens, reprefill, graphs
-        self.graphs = None  # DecodeGraphs for the current pool, when graphs
-        self.version = 0
+        self.spec, self.ahead = speculative, speculative.k if speculative else 0  # (drafts fed per row past its next token)
+        self.graphs, self.version = None, 0  # DecodeGraphs for the current pool (when graphs); the weights' version
         # held for one forward or one weight update (re-entrant: with reprefill, _step holds it over its checks and forwards)
         self.lock = threading.RLock()
         self.call_lock = threading.Lock()  # held for a whole call: its requests own the pool
@@ -188,9 +121,8 @@ class TorchEngine:
         self.shared = set()  # weights that are the learner's tensors (share)
         self.released = {name: p.numel() * p.element_size() for name, p in self._params.items()  # memory out (release,
                          if p.numel() and p.untyped_storage().nbytes() == 0}  # or none yet: from_pretrained(weights=False))
-        self.stats = {"iterations": 0, "prefills": 0, "prefill_tokens": 0, "retracted": 0,  # for tests and benchmarks
-                      "graph_steps": 0, "parked": 0, "evicted": 0, "extends": 0, "extend_tokens": 0,
-                      "decode_steps": 0, "decode_rows": 0}
+        self.stats = dict.fromkeys(("iterations", "prefills", "prefill_tokens", "retracted", "graph_steps", "parked", "evicted",
+                                    "extends", "extend_tokens", "decode_steps", "decode_rows"), 0)  # for tests and benchmarks
 
     # ------------------------------------------------------------------------- calls
 
@@ -336,14 +268,16 @@ class TorchEngine:
             raise ValueError(f"rollout.kv_cache_tokens ({self.kv_tokens}) cannot hold one sequence of {longest} tokens")
         if self.pool is None or self.pool.num_blocks < need:
             self.pool = self.graphs = None  # free the old pool (and the graphs that read it) first
-            self.pool = PagedKVCache(self.model.cfg, need, BLOCK_SIZE, self.device, self.dtype)
+            mtp = self.spec.drafter.mtp_layers if self.spec else 0  # the drafter's layers (speculative.MTPDrafter: L)
+            cfg = replace(self.model.cfg, mtp_layers=mtp) if mtp else self.model.cfg
+            self.pool = PagedKVCache(cfg, need, BLOCK_SIZE, self.device, self.dtype, mtp=bool(mtp))
         if self.use_graphs and (self.graphs is None or self.graphs.max_keys < longest or self.graphs.rows[-1] != self.max_batch):
             self.graphs = None
             self.graphs = DecodeGraphs(self.model, self.pool, self.max_batch, longest, capture=self.device.type == "cuda")
         self.pool.free = list(range(self.pool.num_blocks - 1, -1, -1))
-        self.sched = Scheduler(self.pool.free, self.max_batch, sampling.stop_token_ids, self.stats)
-        dev, B, W = self.device, self.max_batch, max(1, width)
-        # Token buffers [max_batch, W]: a row writes its j-th token since admission at out_*[its buf, j]
+        self.sched = Scheduler(self.pool.free, self.max_batch, sampling.stop_token_ids, self.stats, ahead=self.ahead)
+        dev, B, W = self.device, self.max_batch, max(1, width) + self.ahead
+        # Token buffers [max_batch, W]: a row's j-th token since admission at out_*[its buf, j] (+ k columns: speculative.py)
         self.out_tok = torch.zeros(B, W, dtype=torch.long, device=dev)
         self.out_lp = torch.zeros(B, W, dtype=torch.float32, device=dev)
         self.stop = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.long, device=dev)
@@ -351,8 +285,7 @@ class TorchEngine:
         self.rows = _Rows.empty(blocks, dev)
 
     def _close(self):
-        self.sched, self.landing = None, []
-        self.out_tok = self.out_lp = self.rows = None
+        self.sched, self.landing, self.out_tok, self.out_lp, self.rows = None, [], None, None, None
 
     # ------------------------------------------------------------------------- one iteration
 
@@ -385,8 +318,9 @@ class TorchEngine:
             if new:
                 self._prefill(new)
             if self.sched.running:
-                self._decode()
+                self.spec.step(self) if self.spec else self._decode()
         host = self._read()
+        self.sched.pos = host[2]  # (a speculative step moves each row its own number of positions)
         if (host[0] == 2).any():
             raise FloatingPointError(f"generator: non-finite logits at weight version {self.step_version} "
                                      "(the published weights overflow: lower the learning rate?)")
@@ -398,17 +332,20 @@ class TorchEngine:
     def _grow(self):
         """A block for every running row whose next token starts one (evicting parked KV, then retracting
         the newest rows, if short: Scheduler.grow), written into its row of the block table."""
-        need, blocks = self.sched.grow(self._retract)
+        need = sorted(set(self.sched.grow(self._retract)[0]))  # (speculative: a row may take several)
         if need:
-            rows, cols = to_device(np.stack((need, self.sched.pos[need] // BLOCK_SIZE)), self.device)
-            self.rows.table[rows, cols] = to_device(blocks, self.device, torch.long)
+            table = [r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in (self.sched.running[b] for b in need)]
+            self.rows.table[to_device(need, self.device, torch.long)] = to_device(table, self.device, torch.long)
 
     def _prefill(self, new):
         """Prefill the admitted requests, in Scheduler.admit's order: fresh contexts as one packed row (_pack),
         then turns that extend parked KV by their new tokens only (_extend); sample their first token, add their rows."""
         self.stats["prefills"] += 1
         fresh, ext = [r for r in new if not r.cached], [r for r in new if r.cached]
-        logits = torch.cat(([self._pack(fresh)] if fresh else []) + ([self._extend(ext)] if ext else []))
+        outs = ([self._pack(fresh)] if fresh else []) + ([self._extend(ext)] if ext else [])
+        logits = torch.cat([lg for lg, _ in outs])
+        if self.spec:  # the trunk's hidden whose logits these are: the drafter's first input (speculative.py)
+            self.spec.admitted(self, new, torch.cat([h for _, h in outs]))
         dev, n = self.device, len(new)
         seeds, base, left, buf = to_device([[r.seed for r in new], [len(r.tokens) for r in new],
                                             [r.max_new - len(r.tokens) for r in new], [r.buf for r in new]], dev, torch.long)
@@ -421,8 +358,9 @@ class TorchEngine:
                                         status=self._status(tok, lp, ones, left), table=to_device(table, dev)))
 
     def _pack(self, new):
-        """Fresh contexts as one packed row -> logits [len(new), V] of each one's last token. Each distinct
-        context runs once (a prompt's n samples share it); the pool gets its keys once per request."""
+        """Fresh contexts as one packed row -> logits [len(new), V] of each one's last token, and (speculative) the
+        trunk's hidden there [len(new), hidden] (else None). Each distinct context runs once (a prompt's n samples
+        share it); the pool gets its keys once per request (speculative: the drafter's too, Speculative.prefill)."""
         ctxs = [r.prompt + r.tokens for r in new]
         first, uniq, copy, seen = {}, [], [], collections.Counter()
         for c in ctxs:
@@ -453,23 +391,30 @@ class TorchEngine:
         pick = to_device([u for u, _ in copy], dev, torch.long)  # each request's context
         self.stats["prefill_tokens"] += len(ids)
         self.pool.keys, self.pool.packed = None, Packed.of(pos[None], device=dev)  # grouped on the host: no read back
+        pos, last = to_device(pos, dev), None
         try:
             with self.lock:
-                hidden = self.model(ids[None], position_ids=to_device(pos, dev)[None], cache=self.pool, return_hidden=True,
-                                    keep=ends)
-                logits = self.model.lm_head(hidden[0])[pick]
+                if self.spec:  # the trunk at every position, for the drafter's KV; the norm on the rows sampled from
+                    trunk = self.model(ids[None], position_ids=pos[None], cache=self.pool, return_hidden="trunk")[0]
+                    self.spec.prefill(self, trunk, ids.roll(-1), pos, ends=ends)  # (the token after each position)
+                    last = trunk[ends][pick]
+                    logits = self.model.lm_head(self.model.norm(last))
+                else:
+                    hidden = self.model(ids[None], position_ids=pos[None], cache=self.pool, return_hidden=True, keep=ends)
+                    logits = self.model.lm_head(hidden[0])[pick]
                 self.step_version = self.version
         finally:  # the next forward must not see this one's groups or copies
             self.pool.copies, self.pool.packed = [], None
-        return logits
+        return logits, last
 
     def _extend(self, reqs):
         """Turns that extend their trajectory's parked KV (a tool's answer after the model's call): only the
         new tokens run, as the rows of paged forwards, one row per new token whose keys are its context's
         slots up to itself, as in a decode step (Attention.paged_decode writes every row's keys before any row
         reads). DSA's indexer keys extend the same way, each row's top-k chosen among its own prefix in position
-        order, as the learner's forward chooses. -> logits [len(reqs), V] of each context's last token. At most
-        max_batch rows per forward: none is larger than a decode step (the memory plan's)."""
+        order, as the learner's forward chooses. -> logits [len(reqs), V] of each context's last token, and (speculative)
+        the trunk's hidden there, as _pack. At most max_batch rows per forward: none is larger than a decode step (the
+        memory plan's)."""
         dev, L = self.device, max(len(r.prompt) + len(r.tokens) for r in reqs)
         tok = [t for r in reqs for t in (r.prompt + r.tokens)[r.cached:]]
         pos = [p for r in reqs for p in range(r.cached, len(r.prompt) + len(r.tokens))]
@@ -480,15 +425,20 @@ class TorchEngine:
         self.stats["extends"] += 1
         self.stats["extend_tokens"] += len(tok)
         self.stats["prefill_tokens"] += len(tok)
-        hidden, step = [], self.max_batch
+        hidden, step, nxt = [], self.max_batch, tok.roll(-1)  # (the token after each, for the drafter's KV)
         for a in range(0, len(tok), step):
             keys, valid = key_slots(tables[owner[a:a + step]], pos[a:a + step], L)  # [R, L], left-padded
             with self.lock:
                 hidden.append(decode_forward(self.model, self.pool, tok[a:a + step, None], pos[a:a + step, None], keys,
-                                             valid, hidden=True))
+                                             valid, hidden="trunk" if self.spec else True))
+                if self.spec:
+                    self.spec.prefill(self, hidden[-1], nxt[a:a + step], pos[a:a + step], keys, valid)
                 self.step_version = self.version
         with self.lock:
-            return self.model.lm_head(torch.cat(hidden)[to_device(last, dev, torch.long)])
+            last = torch.cat(hidden)[to_device(last, dev, torch.long)]
+            if self.spec:
+                return self.model.lm_head(self.model.norm(last)), last
+            return self.model.lm_head(last), None
 
     def _status(self, tok, lp, ngen, left):  # [B]: 2 if the logits were not finite, 1 if done (length or stop), else 0
         done = (ngen >= left) | (torch.isin(tok, self.stop) if len(self.stop) else False)
@@ -519,18 +469,17 @@ class TorchEngine:
         rows.ngen = rows.ngen + live.long()
         rows.status = torch.where(live, self._status(tok, lp, rows.ngen, rows.left), rows.status)
         rows.last, rows.pos = tok, rows.pos + 1
-        self.sched.decoded()
 
     def _read(self):
-        """The iteration's one device-to-host transfer: status and ngen (tokens since admission) [2, B].
+        """The iteration's one device-to-host transfer: status, ngen (tokens since admission) and pos [3, B].
         (It waits for the device, so the tokens released by the iteration before have landed too.)"""
         if not self.sched.running:
             self._land(wait=True)
-            return np.zeros((2, 0), dtype=np.int64)
-        return torch.stack((self.rows.status, self.rows.ngen)).cpu().numpy()
+            return np.zeros((3, 0), dtype=np.int64)
+        return torch.stack((self.rows.status, self.rows.ngen, self.rows.pos)).cpu().numpy()
 
     def _release(self, rows: list[int], finish: str | None, host):
-        """Take rows out of the batch (finish: "done", "abort", or None: retracted; host: _read's [2, B]): the
+        """Take rows out of the batch (finish: "done", "abort", or None: retracted; host: _read's [3, B]): the
         scheduler frees their blocks (not a parking turn's) and buffer rows at once, and their tokens since
         admission start copying to the host without waiting, to join their requests at the next _land."""
         idx = to_device(rows, self.device, torch.long)
@@ -597,4 +546,5 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, em
     # when weights land is the Generator's choice; what rows in flight then do, the engine's
     return TorchEngine(model, max_batch=rollout.max_batch, kv_tokens=rollout.kv_cache_tokens,
                        reprefill=rollout.update_mode == "reprefill",
-                       graphs=rollout.cuda_graphs and torch.device(device).type == "cuda")
+                       graphs=rollout.cuda_graphs and torch.device(device).type == "cuda",
+                       speculative=Speculative.of(model, rollout.speculative_tokens))

@@ -232,7 +232,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                 sglang_mem_fraction: float | None = None, logit_chunk: int = 1024, logit_keep: int = 64 * 2**20,
                 dsa_kernels: bool = True, shared: bool = False, fp8: bool = False, lora_cfg=None,
                 colocate: bool = False, offload: bool = True, teacher: GLMConfig | None = None,
-                teacher_fp8: bool = False) -> MemoryPlan:
+                teacher_fp8: bool = False, speculative_tokens: int = 0) -> MemoryPlan:
     """Per-GPU memory of the learner (FSDP2 or DDP over learner_gpus; micro-batches of one packed row of
     micro_batch_tokens) and the generator (engine "torch": generator_batch rows decoding at once, sequences of
     up to generator_max_len tokens (max_new_tokens of them generated) in a pool of kv_cache_tokens slots
@@ -249,6 +249,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     must fit. offload: the learner's fp32 masters and AdamW state leave the GPU while the engine generates.
     teacher (distill.teacher's architecture; teacher_fp8: its weights e4m3): on the generator's GPU for good, scoring
     packed rows of micro_batch_tokens (teacher_items), possibly while an eval decodes, so counted beside everything.
+    speculative_tokens (rollout.speculative_tokens, torch engine): k drafts per row and step from the MTP layer, whose
+    KV the pool holds as one more layer (machinery/speculative.py); a step verifies B (k + 1) rows in one forward.
     Beside each step-time peak, the load-time one: the weights as model.GLM.from_pretrained allocates them."""
     assert parallel in ("fsdp", "ddp") and engine in ("torch", "sglang")
     assert engine == "torch" or sglang_mem_fraction, "engine sglang needs sglang_mem_fraction"
@@ -334,6 +336,10 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     learner += [("small micro-batch's log-softmax kept for backward (2 x logit_keep)", 2 * logit_keep)]
     learner += [saved] + ([("DSA top-k idx int64 + valid [T, topk] per F layer", n_F * T * cfg.dsa.topk * 9)]
                           if sparse else [])
+    if cfg.mtp_layers:  # the MTP loss (families/mtp.py's mtp_loss; its weights are in P): each MTP layer's block over
+        # the row, kept for backward, with its glue's [T, h] tensors (the embedding, the two norms' inputs and
+        # outputs, eh_proj's [T, 2h] input); its logit chunks come after the policy's, as large (recomputed in backward)
+        learner += [("MTP layers: block activations + glue [T, 7h] each", cfg.mtp_layers * (block + 7 * T * h * a))]
     if n_moe:  # the micro-batch's replayed routes (the generator's) and each MoE layer's own choice and agreement
         learner += [("MoE routes [n_moe, T, k]: replayed, chosen (int64), agreement", n_moe * T * cfg.moe.num_experts_per_tok * 18)]
     name, peak = max(transients, key=lambda t: t[1])
@@ -352,6 +358,9 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # bf16 KV per token slot: keys and values per layer (MLA: its latent, kv_lora_rank + qk_rope_head_dim values), the
     # indexer's keys on F layers; MoE: the experts each layer chose for the slot's token (routing replay), 1-2 bytes each
     kv_token = 2 * (L * cfg.kv_width + n_F * (cfg.dsa.head_dim if cfg.dsa else 0)) + route_bytes
+    k = speculative_tokens if engine == "torch" else 0
+    if k:  # the MTP drafter's KV: one more layer (an F layer with DSA: its own indexer keys), no routes
+        kv_token += 2 * (cfg.kv_width + (cfg.dsa.head_dim if cfg.dsa else 0))
     if engine == "sglang":
         generator = [(f"{'fp8' if fp8 else 'bf16'} weights, inside SGLang's share of the GPU", weights)]
     else:
@@ -361,14 +370,23 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         # gathered at a time.
         M = max(prefill_tokens, S)
         prefill = _forward_bytes(cfg, M, dsa_kernels) + M * (16 * (group_size - 1) + 2 * KD)  # + the copies' (slot,
-        # source) pairs; one copy's keys
+        # source) pairs; one copy's keys. Speculative: the trunk's hidden at every token, kept for the MTP layer's
+        # forward over the row (one block, after the trunk's activations are gone)
+        prefill += M * h * 2 if k else 0
         # A decode step: the forward's bf16 logits [B, V] (with DSA the rows' indexer keys gathered [B, S, d_I] and
         # their scores; a turn that extends parked KV runs as such steps of at most B rows); then sampling: fp32 logits, / temperature, log_softmax, exp (greedy eval's path), and,
         # without the kernels (dsa_triton.sample), the noise's int64 hashes
-        dsa_decode = 0
-        if cfg.dsa is not None and cfg.dsa.topk < S:
-            dsa_decode = 2 * B * S * cfg.dsa.head_dim + _dsa_block(cfg, B, 1, S, grad=False, kernels=dsa_kernels)
-        sampling = 4 * B * V * 4 + (0 if dsa_kernels else 3 * B * V * 8)  # the fused sampler hashes on chip
+        def decode(R, S):  # (forward, sampling) bytes of a decode step of R rows over S keys
+            dsa_decode = 0
+            if cfg.dsa is not None and cfg.dsa.topk < S:
+                dsa_decode = 2 * R * S * cfg.dsa.head_dim + _dsa_block(cfg, R, 1, S, grad=False, kernels=dsa_kernels)
+            # the step's MLP (or MoE: k experts per row), and MLA's absorbed attention over each row's latent keys
+            # gathered [R, S, kv_lora_rank + rope] with fp32 scores [R, H, S]
+            forward = 2 * R * V + max(2 * R * (h + 2 * I), R * moe_token) + dsa_decode
+            if cfg.mla is not None:
+                forward += R * S * (2 * cfg.kv_width + 4 * H * 2)
+            return forward, 4 * R * V * 4 + (0 if dsa_kernels else 3 * R * V * 8)  # the fused sampler hashes on chip
+        forward, sampling = decode(B, S)
         steps = [(f"prefill of {M} packed tokens", prefill)]
         rows = B * (S // BLOCK_SIZE + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)
         shares = shared and lora_cfg is not None  # the engine decodes on the learner's base (lora.share_base)
@@ -376,19 +394,14 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                        "bf16 weights (indexer weights_proj, k_norm fp32)") + (": the learner's base, counted there"
                                                                                if shares else ""), 0 if shares else weights),
                      (f"paged KV pool bf16, {T} token slots (rollout and eval, one at a time)" +
-                      (" (MLA: the latent)" if cfg.mla else "") + (f" + each slot's routes ({route_bytes} B)" if n_moe else ""),
-                      T * kv_token),
+                      (" (MLA: the latent)" if cfg.mla else "") + (f" + each slot's routes ({route_bytes} B)" if n_moe else "")
+                      + (" + the MTP drafter's layer" if k else ""), T * kv_token),
                      (f"{B} rows: block tables, tokens + logprobs, a step's key slots", rows)]
         if lora_cfg is not None:
             generator.append((f"LoRA adapters fp32, rank {lora_cfg.rank}", 4 * adapters))
         if teacher is not None:  # (fp8: quantized in host memory, then moved: the GPU never holds its bf16 copy)
             t_weights, t_scoring, _ = teacher_items(teacher, micro_batch_tokens, teacher_fp8, logit_chunk, dsa_kernels)
             generator += t_weights + t_scoring
-        # the step's MLP (or MoE: k experts per row), and MLA's absorbed attention over each row's latent keys
-        # gathered [B, S, kv_lora_rank + rope] with fp32 scores [B, H, S]
-        forward = 2 * B * V + max(2 * B * (h + 2 * I), B * moe_token) + dsa_decode
-        if cfg.mla is not None:
-            forward += B * S * (2 * cfg.kv_width + 4 * H * 2)
         if cuda_graphs:  # the graphs' pool holds the largest bucket's forward for good (captured first, the others
             # reuse its memory on the one capture stream) and cuBLAS's workspace for that stream (32 MiB on Hopper);
             # static buffers beside it. A capture's eager warm-up still runs beside the pool. (Measured on an H100,
@@ -396,6 +409,16 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
             generator += [(f"CUDA graphs' pool: a decode forward of {B} rows + cuBLAS's workspace", forward + CUBLAS_WORKSPACE),
                           (f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]", B * (S * 9 + 16) + 2 * B * V)]
         steps.append(("a decode step (logits, activations, DSA scores, sampling)", forward + sampling))
+        if k:  # speculative.py: the token buffers' k more columns, each row's trunk hidden kept between steps; a step's
+            # verify forward of B (k + 1) rows over S + k keys as a decode step's (its logits, then the sampler's fp32
+            # copies), their key slots and masks, and the trunk's hidden of every verify row, kept for the draft extend
+            # (whose MTP forward of as many rows, one layer, comes after the verify's logits are gone)
+            R = B * (k + 1)
+            generator.append((f"speculative decoding, {k} drafts: token buffers' {k} more columns, a hidden state per row",
+                              B * k * (8 + 4) + B * h * 2))
+            steps.append((f"a speculative step: the verify forward of {B} x {k + 1} rows (logits, activations, DSA "
+                          "scores, sampling), its key slots, the trunk's hidden kept", sum(decode(R, S + k)) + R * (S + k + 1) * 9
+                          + R * h * 2))
         name, peak = max(steps, key=lambda t: t[1])
         generator += [(f"largest transient: {name}", peak), ("CUDA context, fragmentation", OVERHEAD)]
     # Loading (model.GLM.from_pretrained): built on meta, allocated once in its final dtype (FSDP: only this rank's

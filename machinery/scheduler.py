@@ -96,9 +96,13 @@ class Scheduler:
     each row's next position (= tokens in its KV) on the host, so that block bookkeeping never reads the
     device. stats: the engine's counters ("parked", "evicted" are counted here)."""
 
-    def __init__(self, free: list[int], max_batch: int, stop_ids=(), stats=None):
+    def __init__(self, free: list[int], max_batch: int, stop_ids=(), stats=None, ahead: int = 0):
         self.free = free  # free KV block ids: the pool's own list, shared with it
         self.max_batch = max_batch  # rows decoding at once, at most
+        # Speculative decoding (machinery/speculative.py) feeds a row's next token and `ahead` drafts at once: a row
+        # holds blocks for positions up to pos + ahead (never past its last possible one), and may take up to
+        # `spare` blocks at a step (k + 1 consecutive positions span at most ceil(k / BLOCK_SIZE) + 1 blocks)
+        self.ahead, self.spare = ahead, 1 + -(-ahead // BLOCK_SIZE)
         self.free_bufs = list(range(max_batch - 1, -1, -1))  # free token-buffer rows; pop() hands out the lowest
         self.stop_ids = tuple(stop_ids)
         self.stats = stats if stats is not None else collections.Counter()
@@ -140,14 +144,16 @@ class Scheduler:
             if not (len(ids) < len(ctx) and ctx[:len(ids)] == ids):  # its context does not extend the parked KV
                 ids, held = (), []
             cost = 0 if not ids and tuple(ctx) in seen else len(ctx) - len(ids)
-            blocks = len(ctx) // BLOCK_SIZE + 1 - len(held)
+            # its context's blocks and its first decoded token's, with `ahead` the positions of its first verify's drafts
+            top = len(ctx) + min(self.ahead, max(0, len(r.prompt) + r.max_new - 2 - len(ctx)))
+            blocks = max(0, top // BLOCK_SIZE + 1 - len(held))  # (a speculative row may have parked more)
             if new and tokens + cost > PREFILL_TOKENS:
                 break
-            while blocks + len(self.running) + len(new) > len(self.free) and any(k != r.key for k in self.parked):
+            while blocks + self.spare * (len(self.running) + len(new)) > len(self.free) and any(k != r.key for k in self.parked):
                 self.evict(1, keep=r.key)
             # Too few blocks: wait for rows to finish, or for landing turns' KV to park (it is evictable then,
             # next iteration); only with neither may the first request go alone (the pool holds one longest)
-            if blocks + len(self.running) + len(new) > len(self.free) and (new or self.running or self.landing):
+            if blocks + self.spare * (len(self.running) + len(new)) > len(self.free) and (new or self.running or self.landing):
                 break
             self.waiting.popleft()
             if r.key in self.parked:  # taken over (extended), or dropped (its context went another way)
@@ -172,19 +178,30 @@ class Scheduler:
     def grow(self, retract) -> tuple[list[int], list[int]]:
         """Before a decode step: a block for every running row whose next token starts one (pos a multiple
         of BLOCK_SIZE), appended to its request's blocks -> (those rows, their new blocks), for the engine's
-        block table. Short of blocks: parked KV is evicted, oldest first; still short, retract(1), the
-        engine's, takes the newest row out (its tokens are on the device: the engine reads them back, and
-        release / land put it back at the front of `waiting`), until the rows that remain fit."""
-        need = np.flatnonzero(self.pos % BLOCK_SIZE == 0).tolist()
-        while len(need) > len(self.free) and self.parked:
+        block table. With `ahead` (speculative decoding) a row takes every block its next ahead + 1 positions
+        need, so a row may be listed more than once. Short of blocks: parked KV is evicted, oldest first; still
+        short, retract(1), the engine's, takes the newest row out (its tokens are on the device: the engine reads
+        them back, and release / land put it back at the front of `waiting`), until the rows that remain fit."""
+        short = self.short()
+        while short.sum() > len(self.free) and self.parked:
             self.evict(1)
-        while len(need) > len(self.free):
+        while short.sum() > len(self.free):
             retract(1)
-            need = [b for b in need if b < len(self.running)]
+            short = short[:len(self.running)]
+        need = [b for b in np.flatnonzero(short).tolist() for _ in range(short[b])]
         blocks = [self.free.pop() for _ in need]
         for b, blk in zip(need, blocks):
             self.running[b].blocks.append(blk)
         return need, blocks
+
+    def short(self):
+        """[B] the blocks each running row lacks for its next step: the positions it feeds, pos .. pos + ahead, but
+        none past its request's last fed position (prompt + max_new - 2: its last sampled token is never fed)."""
+        if not self.ahead:  # one position: a block where it starts one (the row holds the blocks of every earlier one)
+            return (self.pos % BLOCK_SIZE == 0).astype(np.int64)
+        last = np.array([len(r.prompt) + r.max_new - 2 for r in self.running], dtype=np.int64)
+        top = self.pos + np.clip(last - self.pos, 0, self.ahead)
+        return np.maximum(top // BLOCK_SIZE + 1 - np.array([len(r.blocks) for r in self.running], dtype=np.int64), 0)
 
     def decoded(self):
         """A decode step fed every running row one token: each row's next position moves on."""

@@ -217,11 +217,17 @@ def test_moe_memory_plan_counts_the_latent_the_experts_and_the_routes(which):
     plan = moe_plan(cfg)
     with torch.device("meta"):
         model = GLM(cfg)
-    P, P32 = moe_hand_counts(cfg)
+    P, P32 = moe_hand_counts(replace(cfg, mtp_layers=0))
+    if which == "flash":  # its MTP layer: the published count (the files' 31,221,488,576) less the MTP layer's copies of
+        # the embedding and head and the 47 routers' score-correction biases (buffers here)
+        assert cfg.mtp_layers == 1
+        assert plan.params + 2 * cfg.vocab_size * cfg.hidden_size + 47 * 64 == 31_221_488_576
+        P += sum(p.numel() for p in model.mtp.parameters())  # (its layer: test_mtp.py's published table)
+        P32 += sum(p.numel() for n, p in model.mtp.named_parameters() if n.endswith(FP32_PARAMS))  # its router
     assert plan.params == sum(p.numel() for p in model.parameters()) == P
     assert P32 == sum(p.numel() for n, p in model.named_parameters() if n.endswith(FP32_PARAMS))
     if which == "flash":
-        assert cfg.num_layers == 47 and cfg.model_type == "glm4_moe_lite" and 29.9e9 < P < 30.0e9
+        assert cfg.num_layers == 47 and cfg.model_type == "glm4_moe_lite" and 29.9e9 < P - sum(p.numel() for p in model.mtp.parameters()) < 30.0e9
     n_moe, k = len(cfg.moe_layers), cfg.moe.num_experts_per_tok
     assert n_moe == cfg.num_layers - 1  # (both: the first layer dense)
     slots = (147456 // 16 + 1) * 16  # the budget's blocks and the scratch one
@@ -280,3 +286,64 @@ def test_a_distillation_teacher_sits_on_the_generator_gpu_in_every_phase():
     assert recipe.problems(H100) == []  # configs/glm9b_distill.yaml's layout
     bf16 = memory_plan(NINE_B, **(RECIPE | {"generator_batch": 256, "kv_cache_tokens": 3 * 2**17, "teacher": THIRTY_TWO_B}))
     assert any(p.startswith("generator") for p in bf16.problems(H100))  # a bf16 32B teacher does not fit beside it
+
+
+def test_memory_plan_counts_the_mtp_layer_and_its_loss():
+    """An MTP layer (families/mtp.py): its weights (a decoder layer with DSA's F indexer, eh_proj [h, 2h], enorm, hnorm,
+    shared_head.norm; the embedding and head are the main model's) and its loss's activations."""
+    mtp = replace(TINY, mtp_layers=1)
+    h = TINY.hidden_size
+    total, indexer = hand_counts(TINY)
+    one_layer = (hand_counts(replace(TINY, num_layers=1, dsa=None))[0] - 2 * TINY.vocab_size * h - h)
+    assert tiny_plan().params == total
+    assert memory_plan(mtp, **(RECIPE | {"micro_batch_tokens": 64})).params == total + one_layer + indexer // 2 + 2 * h * h + 3 * h
+    items = dict(memory_plan(mtp, **(RECIPE | {"micro_batch_tokens": 64})).learner)
+    assert any(name.startswith("MTP layers") for name in items)
+    assert not any(name.startswith("MTP layers") for name, _ in tiny_plan().learner)
+
+
+def test_speculative_decoding_buffers_are_what_the_engine_allocates(monkeypatch):
+    """rollout.speculative_tokens k: the pool's MTP layer (one more layer of keys, values and DSA indexer keys), the
+    token buffers' k more columns and the hidden state kept per row, against what TorchEngine and Speculative really
+    allocate in bf16; the verify forward's logits are [B (k + 1), V], which the plan's speculative step counts as a
+    decode step of that many rows over S + k keys, with their key slots and the trunk's hidden kept."""
+    from machinery import speculative
+    from machinery.engine import SamplingParams, TorchEngine
+    B, S, k = 32, 40, 2  # (rows enough that a decode step, not the prefill, is the largest transient)
+    cfg = replace(TINY, mtp_layers=1)
+    model = GLM(cfg).to(torch.bfloat16)
+    engine = TorchEngine(model, max_batch=B, speculative=speculative.Speculative.of(model, k))
+    engine._open(SamplingParams(), S, 30)
+    engine.spec._state(engine)
+    plain = TorchEngine(model, max_batch=B)
+    plain._open(SamplingParams(), S, 30)
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)  # noqa: E731
+    args = dict(learner_gpus=1, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True, trainable_indexer=False,
+                reference=False, generator_batch=B, generator_max_len=S, max_new_tokens=30, engine="torch", prefill_tokens=1)
+    gen = dict(memory_plan(cfg, **args, speculative_tokens=k).generator)
+    pool = engine.pool
+    assert len(pool.k) == cfg.num_layers + 1
+    slots = pool.k[0].shape[0]
+    assert gen[f"paged KV pool bf16, {slots} token slots (rollout and eval, one at a time) + the MTP drafter's layer"] == \
+        nbytes(pool.k + pool.v + pool.index_k)
+    assert nbytes(pool.k + pool.v + pool.index_k) > nbytes(plain.pool.k + plain.pool.v + plain.pool.index_k)
+    extra = nbytes([engine.out_tok, engine.out_lp]) - nbytes([plain.out_tok, plain.out_lp]) + nbytes([engine.spec.hidden])
+    assert gen[f"speculative decoding, {k} drafts: token buffers' {k} more columns, a hidden state per row"] == extra
+    # one step: the verify's logits have B (k + 1) rows
+    seen = []
+    sample = speculative.sample_tokens
+
+    def record(logits, *a):
+        seen.append(tuple(logits.shape))
+        return sample(logits, *a)
+    monkeypatch.setattr(speculative, "sample_tokens", record)
+    engine._close()
+    engine.generate([[1, 2, 3]] * B, SamplingParams(max_new_tokens=6), seed=0)
+    R = B * (k + 1)
+    assert (R, cfg.vocab_size) in seen
+    step = gen[f"largest transient: a speculative step: the verify forward of {B} x {k + 1} rows (logits, activations, DSA "
+               "scores, sampling), its key slots, the trunk's hidden kept"]
+    as_decode = dict(memory_plan(cfg, **(args | {"generator_batch": R, "generator_max_len": S + k})).generator)
+    assert step == as_decode["largest transient: a decode step (logits, activations, DSA scores, sampling)"] + \
+        R * (S + k + 1) * 9 + R * cfg.hidden_size * 2
+    assert not any("speculative" in item for item, _ in memory_plan(cfg, **args).generator)
