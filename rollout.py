@@ -92,8 +92,9 @@ class Sample:
     # learner scores only these, so env tokens never reach lm_head or the loss; gen_logprobs are theirs.
     spans: list | None = None
     turns: int = 1
-    # MoE: the experts the generator's forward chose for every position (prompt, model and env tokens), uint8/int16
-    # [positions, n_moe, k] (engine.Completion.routes); the learner replays them (model.routing_replay). None: dense
+    # MoE: the experts the generator's forward chose for every position fed (prompt, model and env tokens; not the
+    # last, which no forward read), uint8/int16 [positions, n_moe, k] (engine.Completion.routes); the learner replays
+    # them (model.routing_replay). None: dense
     routes: object = None
     # on-policy distillation (distill.teacher): the teacher's logprob of each model token, as gen_logprobs' (set by
     # machinery/teacher.py when the batch is made). None: no teacher
@@ -151,7 +152,7 @@ def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, lim
     record, machinery/env.py) of the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
     One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]; an aborted one again
     with seed + 7: env.generate), and the responses that finish together (one engine iteration) are graded at once,
-    each hook.reward_fn(its text, the example) on a worker thread of its own with a deadline
+    each hook.reward_fn(its text, the example) on env.py's pool of threads, with a deadline from when it starts
     (limits.timeout_s, rollout.env_timeout_s), and a reward that raises, misses it or is not a finite number
     fails the trajectory (Episode.failure) instead of the run (env.guarded). Yields (i, episode) as each ends."""
     what = f"{hook.__name__}.step"
@@ -258,7 +259,8 @@ class Generator:
         between batches: first wait until the batches that older weights must sample are done (next_batch reaches
         version + max_staleness; this file's docstring), after which the thread waits at the gate for open(version):
         no batch is in flight while engine.update_weights copies each tensor into its model, in place. With
-        partial_rollout, at once (the engine takes them between two decode steps)."""
+        partial_rollout, at once (the engine takes them between two decode steps); and before start() too (the
+        first publish: no thread, so no batch to wait for)."""
         with self.gate:
             until = version + self.max_staleness if self.end is None else min(version + self.max_staleness, self.end)
             while not (self.partial_rollout or self.next_batch >= until or self.stopping.is_set()

@@ -6,10 +6,11 @@ imports a chapter above it (rollout.py, train.py): what it needs from them is ha
     config.py      every config key with its default and comment, loading, validation, the memory plan's entry
     memory.py      what one learner and one generator GPU hold, from shapes (--dry-run)
     parallel.py    ranks, devices, FSDP2/DDP, micro-batches, the optimizer step, the weights a publish sends
-    variants.py    what rl_step adds when a variant is on: the KL reference, distillation, routing replay's diagnostics
+    variants.py    what a variant adds to a step: the KL reference, distillation, routing replay's diagnostics, MTP
     checkpoint.py  the run directory, atomic checkpoints, resume, the KL reference, metrics, signals, one-line errors
-    engine.py      generation: the sampler and TorchEngine (scheduler.py: its rows; graphs.py: CUDA graphs;
-                   sglang.py: SGLang's engine behind the same calls), make_engine
+    engine.py      generation: TorchEngine (scheduler.py: its rows; sampler.py: the per-request sampler;
+                   speculative.py: the MTP layer's drafts, verified; graphs.py: CUDA graphs; sglang.py: SGLang's
+                   engine behind the same calls), make_engine
     env.py         the episode loop: trajectories played turn by turn on the engine, env calls with deadlines
     tools.py       the Python tool env (PythonMath), on sandbox.py's worker processes
     teacher.py     on-policy distillation's teacher: a frozen model's log-prob of every sampled token

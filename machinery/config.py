@@ -267,7 +267,7 @@ SAFE_ON_RESUME = {
     "run_dir", "train.rl_steps", "train.eval_every", "train.eval_n", "train.eval_max_new_tokens", "train.wandb_project",
     "train.eval_temperature", "train.eval_greedy", "train.save_every", "train.keep_checkpoints",
     "train.learner_device", "train.generator_device", "train.colocate", "train.offload", "data.eval", "data.eval_size", "rollout.max_batch",
-    "rollout.kv_cache_tokens", "rollout.cuda_graphs", "rollout.dump_fraction",
+    "rollout.kv_cache_tokens", "rollout.cuda_graphs", "rollout.dump_fraction", "rollout.speculative_tokens",
     "rollout.sglang_mem_fraction", "optim.max_tokens_per_micro_batch", "optim.max_skipped_steps",
     "model.gradient_checkpointing", "model.dsa_kernels",
 }
@@ -451,6 +451,8 @@ RULES = [  # (keys, test, what each must be)
     (("rollout.quantization", "distill.quantization"), lambda x: x in (None, "fp8"), "fp8 or null"),
     (("distill.coef",), _positive, "a finite number > 0"),
     (("model.routing_replay",), lambda x: x in ("rollout", "none"), "rollout or none"),
+    (("rollout.speculative_tokens",), lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0,
+     "an integer >= 0"),
     (("model.mtp_layers",), lambda x: x is None or (isinstance(x, int) and x >= 0), "an integer >= 0 (or null)"),
     (("model.mtp_loss_scale",), lambda x: isinstance(x, (int, float)) and 0 <= x < float("inf"), "a finite number >= 0"),
     (("train.parallel",), lambda x: x in ("fsdp", "ddp"), "fsdp or ddp"),
@@ -525,6 +527,8 @@ def check_config(cfg: Config, where):
     if cfg.distill.teacher is not None:
         need(cfg.rollout.engine == "torch", "distill.teacher needs rollout.engine: torch (the teacher runs on the "
              "generator's device, beside our engine; SGLang's static pool leaves it no planned room)")
+    need(cfg.rollout.speculative_tokens == 0 or cfg.rollout.engine == "torch", "rollout.speculative_tokens needs "
+         "rollout.engine: torch (its drafts share our sampler's noise; SGLang's speculative decoding is its own)")
     need(cfg.rollout.prompts_per_step % cfg.train.pairs == 0,
          f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must divide evenly over train.pairs ({cfg.train.pairs})")
     need(cfg.grpo.surrogate != "dis" or (cfg.grpo.icepop_beta is None and cfg.grpo.tis_cap is None),
@@ -709,4 +713,4 @@ def plan_memory(cfg: Config, processes, shared=False, offload=True):
                        lora_cfg=None if cfg.model.lora is None else lora.LoRAConfig(**cfg.model.lora),
                        colocate=cfg.train.colocate, offload=offload,
                        teacher=architecture(cfg, "distill.teacher") if cfg.distill.teacher else None,
-                       teacher_fp8=cfg.distill.quantization == "fp8")
+                       teacher_fp8=cfg.distill.quantization == "fp8", speculative_tokens=r.speculative_tokens)

@@ -529,16 +529,18 @@ class TorchEngine:
 
 # ----------------------------------------------------------------------------- the config's choice
 
-def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, empty=False):
+def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, empty=False, mtp=None):
     """The generator's engine (rollout.engine) on this process's generator device, holding a copy of
     model_dir. rollout: the config's rollout section; dsa: model.dsa; lora_cfg: model.lora (adapters on the
     engine's model too, decoded unmerged; the learner's publishes fill them). empty (co-located): no weights of
-    its own until the learner's first publish fills them (with fp8 they load: quantizing needs them)."""
+    its own until the learner's first publish fills them (with fp8 they load: quantizing needs them). mtp:
+    model.mtp_layers, as the learner loads them (None: the checkpoint's)."""
     if rollout.engine == "sglang":  # SGLang missing, a CPU device or a DSA model: one line naming the problem
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
                             mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None,
                             fp8=rollout.quantization == "fp8")
-    model = GLM.from_pretrained(model_dir, dsa=dsa, device=device, weights=not empty or rollout.quantization == "fp8")
+    model = GLM.from_pretrained(model_dir, dsa=dsa, device=device, weights=not empty or rollout.quantization == "fp8",
+                                mtp=mtp)
     if rollout.quantization == "fp8":  # the decoder's linears to block-wise e4m3, layer by layer (fp8.py)
         fp8.quantize_model_(model)
     if lora_cfg is not None:

@@ -138,7 +138,8 @@ def start(argv, description, script, default_config, single_turn) -> Run | None:
     # RL publishes the learner's weights to it before the first rollout.
     try:
         engine = make_engine(cfg.rollout, base_dir(ckpt or start), devices[0], dsa=cfg.model.dsa,
-                             seed=cfg.seed + 7919 * rank(), lora_cfg=cfg.model.lora, empty=cfg.train.colocate) \
+                             seed=cfg.seed + 7919 * rank(), lora_cfg=cfg.model.lora, empty=cfg.train.colocate,
+                             mtp=cfg.model.mtp_layers) \
             if cfg.train.rl_steps > 0 else None
     except (ImportError, ValueError) as e:
         raise ConfigError(str(e)) from None
