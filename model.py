@@ -771,18 +771,26 @@ def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, we
     mtp: the multi-token-prediction layers to have (GLMConfig.mtp_layers; None: the checkpoint's own). Fewer
     than the file holds drops the rest, more initialises the missing ones fresh, each said in one line; the
     files' copies of the embedding and head in them are checked against the main model's (families/mtp.py's
-    MTPLoad)."""
+    MTPLoad).
+
+    A block-wise FP8 checkpoint (config.json's quantization_config, as zai-org/GLM-5-FP8) loads too: each fp8
+    weight read dequantized into dtype, weight * weight_scale_inv per 128 x 128 block (machinery/fp8.py's Published,
+    which checks every scale first); save_pretrained writes the model's own dtype (an fp8 generator keeps the
+    published blocks: fp8.quantize_model_(model, published=path))."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{cfg_path}: no config.json (expected a Hugging Face model directory)")
     with open(cfg_path) as f:
-        cfg = GLMConfig.from_hf(json.load(f))
+        hf = json.load(f)
+    cfg = GLMConfig.from_hf(hf)
     fam = family(cfg.model_type)  # GLM-4's (or, say, families/mla_moe.py's: experts stored per expert)
     if dsa is not None:
         cfg = fam.with_dsa(cfg, dsa)
     files, dropped = _safetensors_files(path), set()
     mtp_load = mtp_module().load(cfg, mtp, files, path) if cfg.mtp_layers or mtp else None  # families/mtp.py's MTPLoad
     cfg, files = (mtp_load.cfg, mtp_load.files) if mtp_load else (cfg, files)
+    fp8_files = _published_fp8(hf, files, path) if hf.get("quantization_config") is not None else None  # (checked)
+    files = fp8_files.files if fp8_files else files  # (the scales' names out: each is its fp8 weight's)
     dtype = dtype or (torch.bfloat16 if device is not None and torch.device(device).type == "cuda" else torch.float32)
 
     with torch.device("meta"):
@@ -829,7 +837,9 @@ def load_pretrained(cls, path, dsa=None, dtype=None, device=None, shard=None, we
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names:
                     if name in expected:
-                        _copy_rows(params[name], lambda rows, f=f, name=name: f.get_slice(name)[rows])
+                        read = (fp8_files.reader(f, name, params[name]) if fp8_files else
+                                lambda rows, f=f, name=name: f.get_slice(name)[rows])  # (fp8: dequantized)
+                        _copy_rows(params[name], read)
     if fresh:
         _init_indexers(params, cfg, fresh, path)
     _ = mtp_load and mtp_load.finish(model)  # MTP layers the file lacks: initialised fresh (one line says which)
@@ -941,6 +951,14 @@ def _without_weights(model: GLM, path, device) -> GLM:
         model.lm_head.weight = model.embed_tokens.weight
     family(model.cfg.model_type).load_buffers(model, path, device)
     return model
+
+
+def _published_fp8(hf: dict, files: dict, path):
+    """load_pretrained of a checkpoint with a quantization_config: machinery/fp8.py's Published (one line naming the
+    key, or the file and tensor, for anything its config does not explain), whose reader dequantizes the fp8 weights.
+    (Imported here: only such checkpoints need it, and fp8.py imports this file.)"""
+    from machinery import fp8
+    return fp8.Published.of(hf["quantization_config"], files, path)
 
 
 def _init_indexers(params: dict, cfg: GLMConfig, fresh: dict, path):

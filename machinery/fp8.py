@@ -64,22 +64,48 @@ fp8_linear per expert and projection. Quantize after any cast: `model.to(dtype)`
 as a float dtype and would convert the codes without their scales (fp8_linear then refuses the weight). `quantized_weights` turns
 the publisher's (name, tensor) stream into the same stream with each quantized weight replaced by its codes
 and scales, one tensor at a time; `weight_bytes` is what a generator's weights take with fp8 (memory.py).
+
+Published FP8 checkpoints (`Published`, this file's last section): config.json's `quantization_config` {quant_method:
+fp8, fmt: e4m3, activation_scheme: dynamic, weight_block_size: [128, 128]} (DeepSeek-V3's, zai-org/GLM-5-FP8's) says
+each quantized linear is in the files as `X.weight` e4m3 [N, K] and `X.weight_scale_inv` fp32 [ceil(N/128),
+ceil(K/128)]: the format above. Its scale is our scale_inv, the multiplier (w = q * scale_inv block by block, despite
+the name), on the same grid: 128 x 128 blocks from (0, 0) of the file's tensor, a ragged edge a smaller block (GLM-5's
+kv_a_proj_with_mqa: 576 = 4 x 128 + 64 rows). model.load_pretrained reads such a weight dequantized (`dequantize`:
+q * scale_inv in fp32, the exact product rounded once, then cast to the model's dtype): a learner's fp32 masters are
+the published values exactly, and it saves them so (no fp8, no quantization_config). A published block is one of
+ours when the tensor we quantize is the file's tensor, or stacks file tensors each starting on a 128-row boundary of
+ours and spanning whole blocks (or ending at its last row): every linear of _QUANTIZED, and the routed experts'
+gate_up_proj when moe_intermediate_size is a multiple of 128 (GLM-4.7-Flash's 1536, GLM-5's 2048; else the gate's
+last block and the up's first are one block of ours). There an fp8 generator (`quantize_model_(model,
+published=the directory)`) keeps the published codes and scales as they are: it computes with the very weights its
+learner starts from, whatever rule made them (our rule, run on a block whose amax is not its 448 code or whose
+scale is a power of two, as some checkpoints' are, would cut another). A tensor published in fp8 that we hold
+otherwise is dequantized, and stays so (kv_b_proj, the indexer's wq_b and wk, the MTP layers: our rule leaves them
+bf16) or is quantized again by our rule (experts whose blocks straddle gate and up). In GLM-5-FP8, as its public
+loaders read it (SGLang-JAX's, ATOM's, TensorRT-LLM's), every linear of the decoder and MTP layers is fp8: MLA's five
+projections, the dense MLPs, the shared and routed experts, the indexer's wq_b and wk; the embeddings, lm_head,
+norms, routers (mlp.gate), the MTP's eh_proj and the indexer's weights_proj and k_norm are not (its
+modules_to_not_convert lists "model.embed_tokens", "lm_head" and per layer "self_attn.indexers_proj").
 """
 from __future__ import annotations  # kernel annotations stay strings: this file imports without triton
 
 import contextlib
 import functools
+import json
+import os
 import re
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import safe_open
 
 from kernels import dsa_triton
 from kernels import moe as moe_kernels
 from dsa import fp32_scope
 from families.mla_moe import Experts
-from model import GLM
+from model import GLM, _safetensors_files, family, hf_name
 
 BLOCK = 128  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -436,12 +462,13 @@ class FP8Linear(nn.Module):
                      if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
-        """linear's weight quantized, its bias (the same Parameter, dtype and values) kept. A meta linear
-        gives meta tensors of the right shapes and dtypes (to_empty allocates them)."""
+    def from_linear(cls, linear: nn.Linear, blocks=None) -> "FP8Linear":
+        """linear's weight quantized (or blocks, its published (codes, scales): published_blocks), its bias (the same
+        Parameter, dtype and values) kept. A meta linear gives meta tensors of the right shapes and dtypes (to_empty
+        allocates them)."""
         with torch.device("meta"):  # the empty shell; its tensors are replaced just below
             m = cls(linear.in_features, linear.out_features, bias=False)
-        q, s = quantize(linear.weight)
+        q, s = blocks if blocks is not None else quantize(linear.weight)
         m.weight = nn.Parameter(q, requires_grad=False)
         m.weight_scale_inv = nn.Parameter(s, requires_grad=False)
         m.bias = linear.bias
@@ -471,13 +498,15 @@ class FP8Experts(nn.Module):
             setattr(self, name + "_scale_inv", nn.Parameter(torch.ones(blocks, device=device), requires_grad=False))
 
     @classmethod
-    def from_experts(cls, experts) -> "FP8Experts":
-        """mla_moe.Experts' weights quantized (quantize, one expert at a time); meta in, meta out."""
+    def from_experts(cls, experts, blocks=None) -> "FP8Experts":
+        """mla_moe.Experts' weights quantized (quantize, one expert at a time; or blocks {"gate_up_proj" or
+        "down_proj": its published (codes, scales) or None}: published_blocks); meta in, meta out."""
         E, H, I = experts.down_proj.shape
         with torch.device("meta"):  # the empty shell; its tensors are replaced just below
             m = cls(E, H, I)
         for name in ("gate_up_proj", "down_proj"):
-            q, s = quantize(getattr(experts, name))
+            given = (blocks or {}).get(name)
+            q, s = given if given is not None else quantize(getattr(experts, name))
             setattr(m, name, nn.Parameter(q, requires_grad=False))
             setattr(m, name + "_scale_inv", nn.Parameter(s, requires_grad=False))
         return m
@@ -516,26 +545,46 @@ class FP8Experts(nn.Module):
         return f"experts={E}, hidden={K}, intermediate={N // 2}, e4m3 in 128 x 128 blocks per expert"
 
 
-def quantize_model_(model):
+def quantize_model_(model, published=None):
     """In place: every quantized nn.Linear of a model.GLM (is_quantized of "<its name>.weight") becomes an
     FP8Linear holding quantize(its weight), one at a time (a loaded model's peak: its own weights plus one
     linear's fp32 copy while it is quantized), and every mla_moe.Experts (is_quantized of "<its name>.gate_up_proj")
     an FP8Experts. Works on a meta-device model (then empty fp8 tensors). Everything else (embeddings, norms,
     lm_head, biases, the DSA indexer, the MoE routers, kv_b_proj) is left as it is. Returns model.
-    Cast first (GLM.cast_): a cast after this converts the fp8 codes."""
-    return _quantize_modules_(model)
+    Cast first (GLM.cast_): a cast after this converts the fp8 codes.
+    published: the directory the model was loaded from. When it is a published FP8 checkpoint (config.json's
+    quantization_config: `Published`), each tensor whose published blocks are the ones our rule cuts keeps the
+    published codes and scales (published_blocks; the model's weight must be them dequantized, or an error names
+    it), and one line says how many did; a directory without a quantization_config changes nothing."""
+    return _quantize_modules_(model, Published.at(published) if published is not None else None)
 
 
-def _quantize_modules_(model):
+def _quantize_modules_(model, published=None):
     """quantize_model_'s replacements, without its check that the model would compute with them (weight_bytes only
-    counts their bytes)."""
+    counts their bytes). published: a Published or None."""
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and is_quantized(n + ".weight")]
     experts = [n for n, m in model.named_modules() if isinstance(m, Experts) and is_quantized(n + ".gate_up_proj")]
+    kept, rest = [], []  # our tensor names: published blocks kept, quantized by our rule
+
+    def blocks(name, param):
+        got = published_blocks(published, model.cfg, name, param)
+        (kept if got is not None else rest).append(name)
+        return got
+
     for name in names + experts:  # (names, not modules: each replaced module is freed before the next is quantized)
         parent, _, child = name.rpartition(".")
         module = model.get_submodule(name)
-        new = FP8Experts.from_experts(module) if isinstance(module, Experts) else FP8Linear.from_linear(module)
+        if isinstance(module, Experts):
+            new = FP8Experts.from_experts(module, {p: blocks(f"{name}.{p}", getattr(module, p))
+                                                   for p in ("gate_up_proj", "down_proj")})
+        else:
+            new = FP8Linear.from_linear(module, blocks(name + ".weight", module.weight))
         setattr(model.get_submodule(parent), child, new)
+    if published is not None:
+        some = ", ".join(rest[:3]) + (", ..." if len(rest) > 3 else "")
+        print(f"[fp8] {published.path}: {len(kept)} of {len(kept) + len(rest)} quantized tensors keep the checkpoint's "
+              "fp8 blocks" + (f"; our rule quantizes the rest (not fp8 in the files, or blocks not ours: {some})" if rest
+                              else ""))
     return model
 
 
@@ -569,3 +618,142 @@ def weight_bytes(cfg) -> int:
         else:
             total += t.numel() * t.element_size()
     return total
+
+
+# ----------------------------------------------------------------------------------------------- published checkpoints
+# A block-wise FP8 checkpoint as DeepSeek-V3 and the GLM family publish it (the module docstring's last paragraph):
+# what model.load_pretrained reads dequantized, and what quantize_model_(published=) keeps as it is.
+
+E4M3_FILE = "F8_E4M3"  # safetensors' name of float8_e4m3fn in the file headers
+
+
+@dataclass
+class Published:
+    """A checkpoint's fp8 weights, every one checked from the file headers alone (`of`): fp8 {"X.weight": (its file,
+    the file of "X.weight_scale_inv")}, rows {"X.weight": N}; files: the checkpoint's {file: [tensor names]} without
+    the scales (each explained by its weight), as load_pretrained checks the rest against the model."""
+    fp8: dict
+    rows: dict
+    files: dict
+    path: str
+
+    @classmethod
+    def of(cls, qc, files: dict, path) -> "Published":
+        """config.json's quantization_config qc and the checkpoint's {file: [names]} -> Published, or a one-line error
+        naming the key, or the file and tensor: another format; a weight_scale_inv whose weight is missing or not fp8,
+        of another dtype than fp32 or another shape than one per 128 x 128 block; an fp8 tensor that is not an e4m3
+        linear weight with its scales, or that modules_to_not_convert lists (a module named so, or a prefix or a
+        suffix of its dotted name, as transformers matches them)."""
+        where = f"{os.path.join(path, 'config.json')}: quantization_config"
+        if not isinstance(qc, dict) or qc.get("quant_method") != "fp8":
+            got = qc.get("quant_method") if isinstance(qc, dict) else qc
+            raise ValueError(f"{where}.quant_method is {got!r}: only block-wise 'fp8' checkpoints load (DeepSeek-V3's "
+                             "format, as zai-org/GLM-5-FP8)")
+        for key, want in (("fmt", "e4m3"), ("activation_scheme", "dynamic"), ("weight_block_size", [BLOCK, BLOCK])):
+            if qc.get(key, want) != want:  # (transformers' defaults when a key is absent)
+                raise ValueError(f"{where}.{key} is {qc[key]!r}, expected {want!r}")
+        skip = qc.get("modules_to_not_convert") or []
+        heads = {}  # name -> (file, dtype, shape)
+        for file, names in files.items():
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for n in names:
+                    t = f.get_slice(n)
+                    heads[n] = (file, t.get_dtype(), tuple(t.get_shape()))
+        fp8, rows = {}, {}
+        for n, (file, dtype, shape) in heads.items():  # the fp8 tensors first: a scale's check reads its weight's
+            if not dtype.startswith("F8"):
+                continue
+            if dtype != E4M3_FILE or len(shape) != 2 or not n.endswith(".weight"):
+                raise ValueError(f"{file}: tensor {n} is {dtype} {list(shape)}: quantization_config explains only e4m3 "
+                                 "linear weights [out, in]")
+            if n + "_scale_inv" not in heads:
+                raise ValueError(f"{file}: fp8 tensor {n} has no {n}_scale_inv (its scales, one per 128 x 128 block)")
+            module = n.removesuffix(".weight")
+            listed = [k for k in skip if module == k or module.startswith(k + ".") or module.endswith("." + k)]
+            if listed:
+                raise ValueError(f"{file}: tensor {n} is fp8, but quantization_config.modules_to_not_convert lists "
+                                 f"{listed[0]!r}")
+            fp8[n], rows[n] = (file, heads[n + "_scale_inv"][0]), shape[0]
+        for n, (file, dtype, shape) in heads.items():
+            if not n.endswith("_scale_inv"):
+                continue
+            w = n.removesuffix("_scale_inv")
+            if w not in fp8:
+                why = f"{w} is {heads[w][1]}, not fp8" if w in heads else f"the checkpoint has no {w}"
+                raise ValueError(f"{file}: unexpected tensor {n} ({why}: nothing for its block scales to scale)")
+            N, K = heads[w][2]
+            want = (_cdiv(N, BLOCK), _cdiv(K, BLOCK))
+            if dtype != "F32" or shape != want:
+                raise ValueError(f"{file}: tensor {n} is {dtype} {list(shape)}, expected F32 {list(want)} (one scale per "
+                                 f"128 x 128 block of {w} {[N, K]})")
+        files = {file: [n for n in names if not n.endswith("_scale_inv")] for file, names in files.items()}
+        return cls(fp8, rows, files, str(path))
+
+    @classmethod
+    def at(cls, path) -> "Published | None":
+        """The directory's Published, or None when its config.json has no quantization_config (a bf16 checkpoint, as
+        the ones a run saves)."""
+        with open(os.path.join(path, "config.json")) as f:
+            qc = json.load(f).get("quantization_config")
+        return None if qc is None else cls.of(qc, _safetensors_files(path), path)
+
+    def scales(self, name, blocks=slice(None)):
+        """The block rows `blocks` of fp8 weight name's scales, fp32 [rows, Kb] (read from their own file)."""
+        with safe_open(self.fp8[name][1], framework="pt", device="cpu") as f:
+            return f.get_slice(name + "_scale_inv")[blocks]
+
+    def read(self, name):
+        """fp8 weight name's published (codes e4m3 [N, K], scales fp32 [Nb, Kb]), on the CPU."""
+        with safe_open(self.fp8[name][0], framework="pt", device="cpu") as f:
+            return f.get_tensor(name), self.scales(name)
+
+    def reader(self, f, name, dst):
+        """load_pretrained's read(rows) of the file tensor name (f: its open file) into dst (a tensor, or a part of
+        one: model._copy_rows): rows [start, stop) of the file as they are, or of an fp8 weight dequantized in dst's
+        dtype (dequantize), reading only the 128-row blocks they fall in (an FSDP rank reads its own rows)."""
+        if name not in self.fp8:
+            return lambda rows: f.get_slice(name)[rows]
+        dtype, N = getattr(dst, "param", dst).dtype, self.rows[name]  # (families/mla_moe.py's ExpertPart: .param)
+
+        def read(rows):
+            start, stop, _ = rows.indices(N)
+            b0, b1 = start // BLOCK, _cdiv(stop, BLOCK)
+            q = f.get_slice(name)[b0 * BLOCK:min(b1 * BLOCK, N)]  # whole blocks: [<= (b1 - b0) * 128, K]
+            return dequantize(q, self.scales(name, slice(b0, b1)), dtype)[start - b0 * BLOCK:stop - b0 * BLOCK]
+        return read
+
+
+def published_blocks(published: Published | None, cfg, name, param):
+    """Our quantized tensor `name` (a linear's "....weight" [N, K], or the stacked experts' "...gate_up_proj" /
+    "...down_proj" [E, N, K]) as published codes and scales in our layout, (q fp8, scale_inv fp32) on param's device,
+    when the checkpoint's blocks are the ones quantize cuts from it: every file tensor it is made of (the family's
+    file_names: itself, or each expert's gate_proj, up_proj or down_proj) fp8, each covering whole 128-row blocks of
+    ours (starting on a block boundary, ending on one or at its last row). Else None (no published checkpoint, a meta
+    model, a part in high precision or across our blocks). The model's values must be those blocks dequantized as
+    load_pretrained reads them (dequantize in param's dtype; experts one at a time, as quantize): else the model is not
+    the checkpoint's, an error naming the tensor."""
+    if published is None or param.is_meta:
+        return None
+    parts = family(cfg.model_type).file_names({hf_name(name): param}, cfg)  # {file name: param, or an ExpertPart}
+    *lead, N, K = param.shape
+    spans = []
+    for fname, part in parts.items():
+        at, rows = ((), slice(None)) if isinstance(part, torch.Tensor) else ((part.expert,), part.rows)
+        start, stop, _ = rows.indices(N)
+        if fname not in published.fp8 or start % BLOCK or (stop % BLOCK and stop != N):
+            return None
+        spans.append((fname, at, start, stop))
+    q = torch.empty(param.shape, dtype=FP8, device=param.device)
+    s = torch.empty(*lead, _cdiv(N, BLOCK), _cdiv(K, BLOCK), device=param.device)
+    for fname, at, start, stop in spans:
+        fq, fs = published.read(fname)
+        if tuple(fq.shape) != (stop - start, K):
+            raise ValueError(f"{published.path}: {fname} is {list(fq.shape)}, the model's {name} holds "
+                             f"{[stop - start, K]} there (quantize_model_'s published= is not the model's checkpoint)")
+        q[(*at, slice(start, stop))] = fq.to(param.device)
+        s[(*at, slice(start // BLOCK, _cdiv(stop, BLOCK)))] = fs.to(param.device)
+    pairs = zip(q, s, param.detach()) if q.dim() == 3 else [(q, s, param.detach())]  # (experts one at a time)
+    if not all(torch.equal(dequantize(a, b, param.dtype), w) for a, b, w in pairs):
+        raise ValueError(f"{published.path}: the model's {name} is not the checkpoint's fp8 blocks dequantized "
+                         "(quantize_model_'s published= must be the directory the model was loaded from)")
+    return q, s

@@ -55,7 +55,7 @@ class Teacher:
         host = quantization == "fp8" and gpu
         model = GLM.from_pretrained(path, device="cpu" if host else device, dtype=dtype)
         if quantization == "fp8":
-            fp8.quantize_model_(model)
+            fp8.quantize_model_(model, published=path)  # a published FP8 checkpoint: its own blocks where ours
         self.model = model.to(device).eval().requires_grad_(False)
         self.forward, self.temperature, self.max_tokens = forward, temperature, max_tokens
         self.outcome = outcome  # distill.outcome: GRPO's outcome advantage too (else every group teaches)

@@ -1,6 +1,7 @@
 """fp8.py: the block-wise e4m3 format against a float64 re-implementation of its arithmetic (not against our own
 output), the matmul's paths (the CPU reference, the Triton kernel in Triton's interpreter and compiled for sm_90,
-CUDA when there is one), and the model's side (quantize_model_, quantized_weights, weight_bytes).
+CUDA when there is one), the model's side (quantize_model_, quantized_weights, weight_bytes), and published FP8
+checkpoints (zai-org/GLM-5-FP8's format, made here by its naive recipe: loaded dequantized, kept by an fp8 generator).
 
 Tolerances, as max |ours - ref| / max |ref| over the output:
   fp32 outputs: 1e-5 (fp32 sums of exact fp8 products against float64; measured about 3e-7);
@@ -774,3 +775,250 @@ def test_an_fp8_moe_engine_decodes_as_full_forwards_of_its_model():
         chosen = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
         assert (logp.max(-1).values - chosen <= 1e-5).all()
         assert out.logprobs == pytest.approx(chosen.tolist(), abs=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- published checkpoints
+# zai-org/GLM-5-FP8's format: test_mtp.py's bf16 published-layout fixture with every linear of the decoder and MTP
+# layers quantized by the published recipe (DeepSeek-V3's: per 128 x 128 block s = amax / 448, q = e4m3(w / s)),
+# written out naively below, never with fp8.py's code.
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+
+from safetensors.torch import save_file  # noqa: E402
+
+from families import mtp  # noqa: E402
+from model import our_name  # noqa: E402
+from test_mtp import GLM5, read_all, write_published  # noqa: E402
+
+# GLM-5's config shrunk as test_mtp.py's, wide enough for several blocks with ragged edges: hidden 160 (128 + 32), the
+# dense MLP's 200; the experts' 128 (each expert's gate and up stack on a block boundary of our gate_up_proj) or 48
+GLM5_FP8 = dict(GLM5, hidden_size=160, intermediate_size=200, moe_intermediate_size=128)
+# What GLM-5-FP8 holds in fp8 (fp8.py's docstring): the decoder's and the MTP layer's linears, the indexer's wq_b and wk
+PUBLISHED_FP8 = re.compile(r"model\.layers\.\d+\.(self_attn\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj"
+                           r"|o_proj|indexer\.wq_b|indexer\.wk)"
+                           r"|mlp\.((shared_experts|experts\.\d+)\.)?(gate|up|down)_proj)\.weight")
+QC = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+      "modules_to_not_convert": ["model.embed_tokens", "lm_head"] +
+      [f"model.layers.{i}.self_attn.indexers_proj" for i in (0, 2, 4)]}  # (GLM-5's own: a name no tensor has)
+
+
+def published_recipe(w):
+    """w [N, K] -> (q e4m3 [N, K], s fp32 [ceil(N/128), ceil(K/128)]): each 128 x 128 block (smaller at a ragged
+    edge) s = amax / 448 and q = e4m3(w / s), so that w ~= q * s."""
+    N, K = w.shape
+    q, s = torch.empty(N, K, dtype=torch.float8_e4m3fn), torch.empty(-(-N // 128), -(-K // 128))
+    for i in range(0, N, 128):
+        for j in range(0, K, 128):
+            block = w[i:i + 128, j:j + 128].float()
+            s[i // 128, j // 128] = block.abs().max() / 448
+            q[i:i + 128, j:j + 128] = (block / s[i // 128, j // 128]).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def dequantized(q, s):
+    """float64 q * s, each block's codes times its scale (exact: 4 and 24 significant bits)."""
+    N, K = q.shape
+    return q.double() * expand(s.double(), 128, N, K)
+
+
+def write_fp8(path, c, edit=None, qc=QC):
+    """The checkpoint of config c in GLM-5-FP8's format (quantization_config qc, or none): test_mtp.write_published's
+    tensors and shards, each PUBLISHED_FP8 weight's codes in its place and its weight_scale_inv in its shard (every
+    third in the next one: a scale need not share its weight's file). edit({name: tensor}) changes them first.
+    Returns the bf16 source {name: tensor} and the published {name: (q, s)}."""
+    source = write_published(path, c)
+    index = os.path.join(path, "model.safetensors.index.json")
+    weight_map = json.load(open(index))["weight_map"]
+    out, blocks = {}, {}
+    for name, t in source.items():
+        if PUBLISHED_FP8.fullmatch(name):
+            blocks[name] = published_recipe(t)
+            out[name], out[name + "_scale_inv"] = blocks[name]
+        else:
+            out[name] = t
+    if edit is not None:
+        edit(out)
+    files = sorted(set(weight_map.values()))
+    where = {}
+    for k, name in enumerate(sorted(out)):
+        f = weight_map.get(name.removesuffix("_scale_inv"), files[0])
+        where[name] = files[(files.index(f) + 1) % len(files)] if name.endswith("_scale_inv") and k % 3 == 0 else f
+    for f in files:
+        save_file({n: t for n, t in out.items() if where[n] == f}, os.path.join(path, f), metadata={"format": "pt"})
+    json.dump({"metadata": {}, "weight_map": where}, open(index, "w"))
+    json.dump(dict(c, **({"quantization_config": qc} if qc else {})), open(os.path.join(path, "config.json"), "w"))
+    return source, blocks
+
+
+@pytest.mark.parametrize("shape", [(576, 160), (300, 200), (128, 256), (24, 160)])
+def test_our_rule_cuts_the_published_blocks(shape):
+    """Our format is the published one: the scale a multiplier (w ~= q * scale_inv), 128 x 128 blocks from (0, 0),
+    ragged edges smaller (GLM-5's kv_a_proj_with_mqa has 576 = 4 x 128 + 64 rows). On a bf16 weight whose blocks'
+    amax is above AMAX_MIN our quantize gives the recipe's codes and scales bit for bit."""
+    g = torch.Generator().manual_seed(shape[0])
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    q, s = fp8.quantize(w)
+    rq, rs = published_recipe(w)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert torch.equal(fp8.dequantize(q, s).double(), dequantized(rq, rs).float().double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_published_fp8_checkpoint_loads_dequantized_and_saves_in_the_models_dtype(tmp_path, dtype):
+    """A learner from GLM-5-FP8's format: each fp8 weight's master is weight * weight_scale_inv per block, the float64
+    product cast to the model's dtype (fp32 masters: the published values exactly); every other tensor as published.
+    save_pretrained writes that dtype: the bf16 checkpoint's names, no fp8 tensor, no scales, no quantization_config.
+    The MTP layer (fp8 too) loads and drafts."""
+    source, blocks = write_fp8(tmp_path / "pub", GLM5_FP8)
+    assert any(s.shape[0] > 1 and s.shape[1] > 1 for _, s in blocks.values())  # (several blocks, ragged: 200 x 160)
+    m = GLM.from_pretrained(tmp_path / "pub", dtype=dtype)
+    up = dequantized(*blocks["model.layers.1.mlp.experts.3.up_proj.weight"])  # (stacked experts: gate rows, up rows)
+    down = dequantized(*blocks["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(m.layers[1].mlp.experts.gate_up_proj[3, 128:], up.to(dtype))
+    assert torch.equal(m.layers[0].mlp.down_proj.weight, down.to(dtype))
+    m.save_pretrained(str(tmp_path / "out"))
+    saved = read_all(tmp_path / "out")
+    assert set(saved) == set(source)
+    for name, t in saved.items():
+        want = torch.float32 if our_name(name).endswith(MODEL_FP32) else dtype
+        ref = dequantized(*blocks[name]) if name in blocks else source[name]
+        assert t.dtype == want and torch.equal(t, ref.to(want)), name
+    out_cfg = json.load(open(tmp_path / "out" / "config.json"))
+    assert "quantization_config" not in out_cfg and out_cfg["num_nextn_predict_layers"] == 1
+    assert not any(n.endswith("_scale_inv") for n in saved)
+    ids = torch.randint(0, 90, (2, 6))
+    with torch.no_grad():
+        logits, _ = mtp.draft(m, m(ids, return_hidden="trunk"), ids)
+    assert torch.isfinite(logits.float()).all()
+
+
+def fp8_linears(m):
+    return {n: mod for n, mod in m.named_modules() if isinstance(mod, fp8.FP8Linear)}
+
+
+@pytest.mark.parametrize("I", [128, 48])
+def test_an_fp8_generator_keeps_the_published_blocks_where_they_are_ours(tmp_path, I, capsys):
+    """The engine's load (bf16, then quantize_model_ with the checkpoint's directory): every FP8Linear holds the
+    published codes and scales bit for bit, the routed experts' down_proj too (each expert's is the file's), and their
+    gate_up_proj when the experts' width I is a multiple of 128 (each expert's gate and up stacked, whole blocks); at
+    I = 48 the gate's rows and the up's share one block of ours, so our rule quantizes the loaded values. Published fp8
+    that our rule keeps in bf16 (kv_b_proj, the indexer's wq_b and wk, the MTP layer) is the dequantized value."""
+    c = dict(GLM5_FP8, moe_intermediate_size=I)
+    _, blocks = write_fp8(tmp_path / "pub", c)
+    gen = fp8.quantize_model_(GLM.from_pretrained(tmp_path / "pub", dtype=torch.bfloat16), published=tmp_path / "pub")
+    linears = fp8_linears(gen)
+    assert len(linears) == 4 * 4 + 3 + 3 * 3  # MLA's four of each layer, layer 0's SwiGLU, the shared experts'
+    for name, mod in linears.items():
+        q, s = blocks["model." + name + ".weight"]
+        assert torch.equal(mod.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(mod.weight_scale_inv, s)
+    for i in (1, 2, 3):
+        ex = gen.layers[i].mlp.experts
+        per = [[blocks[f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"] for e in range(8)]
+               for p in ("gate", "up", "down")]
+        assert torch.equal(ex.down_proj.view(torch.uint8), torch.stack([q for q, _ in per[2]]).view(torch.uint8))
+        assert torch.equal(ex.down_proj_scale_inv, torch.stack([s for _, s in per[2]]))
+        if I % 128 == 0:
+            want_q = torch.stack([torch.cat([g[0], u[0]]) for g, u in zip(per[0], per[1])])
+            want_s = torch.stack([torch.cat([g[1], u[1]]) for g, u in zip(per[0], per[1])])
+        else:  # our rule on the loaded (dequantized) bf16 values
+            want_q, want_s = fp8.quantize(torch.stack([torch.cat([dequantized(*g), dequantized(*u)])
+                                                       for g, u in zip(per[0], per[1])]).to(torch.bfloat16))
+            assert not torch.equal(want_s[:, 0], torch.stack([g[1][0] for g in per[0]]))  # (not the gate's scale)
+        assert torch.equal(ex.gate_up_proj.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(ex.gate_up_proj_scale_inv, want_s)
+    params = dict(gen.named_parameters())
+    for name in ("layers.1.self_attn.kv_b_proj.weight", "layers.0.self_attn.indexer.wq_b.weight",
+                 "layers.2.self_attn.indexer.wk.weight", "mtp.4.self_attn.q_a_proj.weight", "mtp.4.mlp.experts.0"):
+        if name == "mtp.4.mlp.experts.0":  # the MTP layer's experts: bf16 [E, 2I, H], expert 0's gate rows
+            got = gen.mtp["4"].mlp.experts.gate_up_proj[0, :I]
+            ref = blocks["model.layers.4.mlp.experts.0.gate_proj.weight"]
+        else:
+            got, ref = params[name], blocks["model." + name.replace("mtp.", "layers.")]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, dequantized(*ref).to(torch.bfloat16)), name
+    kept = 28 + 3 * (2 if I % 128 == 0 else 1)
+    assert f"{kept} of 34 quantized tensors keep the checkpoint's fp8 blocks" in capsys.readouterr().out
+    ids = torch.randint(0, 90, (2, 6))
+    with torch.no_grad():
+        assert torch.isfinite(gen(ids).float()).all()
+
+
+def test_quantize_model_published_needs_the_models_own_checkpoint(tmp_path, capsys):
+    """published= a bf16 directory (no quantization_config): our rule everywhere, bit for bit quantize_model_(model),
+    no line. A model whose weights are not the published checkpoint's: an error naming the tensor."""
+    write_published(tmp_path / "bf16", GLM5_FP8)
+    m = GLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    a = fp8.quantize_model_(copy.deepcopy(m), published=tmp_path / "bf16")
+    b = fp8.quantize_model_(copy.deepcopy(m))
+    assert "[fp8]" not in capsys.readouterr().out
+    for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert x.dtype == y.dtype and torch.equal(x.view(torch.uint8), y.view(torch.uint8)), n
+    write_fp8(tmp_path / "pub", GLM5_FP8)
+    with pytest.raises(ValueError, match=r"the model's layers\.0\.self_attn\.q_a_proj\.weight is not the checkpoint's"):
+        fp8.quantize_model_(m, published=tmp_path / "pub")  # the bf16 values, not the fp8 ones dequantized
+
+
+def _set(name, t):
+    return lambda out: out.__setitem__(name, t)
+
+
+BAD = {  # edit of the tensors (or quantization_config) -> what the one-line error names
+    "stray scale": (_set("model.layers.1.mlp.gate.weight_scale_inv", torch.ones(1, 2)),
+                    r"model-\d+-of-\d+\.safetensors: unexpected tensor model\.layers\.1\.mlp\.gate\.weight_scale_inv "
+                    r"\(model\.layers\.1\.mlp\.gate\.weight is BF16, not fp8"),
+    "scale of nothing": (_set("model.layers.0.self_attn.q_proj.weight_scale_inv", torch.ones(1, 2)),
+                         r"unexpected tensor model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv "
+                         r"\(the checkpoint has no"),
+    "no scale": (lambda out: out.pop("model.layers.2.self_attn.o_proj.weight_scale_inv"),
+                 r"safetensors: fp8 tensor model\.layers\.2\.self_attn\.o_proj\.weight has no "),
+    "scale shape": (lambda out: out.update({"model.layers.0.mlp.up_proj.weight_scale_inv":
+                                            out["model.layers.0.mlp.up_proj.weight_scale_inv"][:1]}),
+                    r"model-\d+-of-\d+\.safetensors: tensor model\.layers\.0\.mlp\.up_proj\.weight_scale_inv is F32 "
+                    r"\[1, 2\], expected F32 \[2, 2\]"),
+    "scale dtype": (lambda out: out.update({"model.layers.0.self_attn.o_proj.weight_scale_inv":
+                                            out["model.layers.0.self_attn.o_proj.weight_scale_inv"].bfloat16()}),
+                    r"tensor model\.layers\.0\.self_attn\.o_proj\.weight_scale_inv is BF16 \[2, 1\], expected F32"),
+    "e5m2": (lambda out: out.update({"model.layers.3.self_attn.q_a_proj.weight":
+                                     out["model.layers.3.self_attn.q_a_proj.weight"].float().to(torch.float8_e5m2)}),
+             r"tensor model\.layers\.3\.self_attn\.q_a_proj\.weight is F8_E5M2 \[24, 160\]"),
+    "not to convert": (dict(QC, modules_to_not_convert=["lm_head", "self_attn.o_proj"]),
+                       r"tensor model\.layers\.\d\.self_attn\.o_proj\.weight is fp8, but quantization_config"
+                       r"\.modules_to_not_convert lists 'self_attn\.o_proj'"),
+    "method": (dict(QC, quant_method="compressed-tensors"),
+               r"config\.json: quantization_config\.quant_method is 'compressed-tensors'"),
+    "block size": (dict(QC, weight_block_size=[64, 64]), r"config\.json: quantization_config\.weight_block_size is "
+                                                          r"\[64, 64\], expected \[128, 128\]"),
+    "static": (dict(QC, activation_scheme="static"), r"quantization_config\.activation_scheme is 'static'"),
+    "no quantization_config": ({}, r"unexpected tensor model\.layers\.\d\.\S+weight_scale_inv \(not part of"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_what_the_config_does_not_explain_is_a_one_line_error_naming_it(tmp_path, case):
+    change, match = BAD[case]
+    edit, qc = (None, change) if isinstance(change, dict) else (change, QC)
+    write_fp8(tmp_path / "pub", GLM5_FP8, edit=edit, qc=qc)
+    with pytest.raises(ValueError, match=match) as e:
+        GLM.from_pretrained(tmp_path / "pub")
+    assert "\n" not in str(e.value)
+
+
+def test_the_reader_dequantizes_any_rows_an_fsdp_rank_holds(tmp_path):
+    """Published.reader's read(rows) (load_pretrained's, through model._copy_rows: an FSDP rank's rows
+    [start, stop)) reads the blocks those rows fall in and returns their dequantized values, in the destination's
+    dtype (an fp32 master: the float64 product exactly); a tensor not in fp8 as it is."""
+    from safetensors import safe_open
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(300, 200, generator=g) * 0.02).to(torch.bfloat16)
+    q, s = published_recipe(w)
+    save_file({"a.weight": q, "a.weight_scale_inv": s, "b.weight": w}, str(tmp_path / "x.safetensors"))
+    file = str(tmp_path / "x.safetensors")
+    pub = fp8.Published.of(QC, {file: ["a.weight", "a.weight_scale_inv", "b.weight"]}, tmp_path)
+    assert pub.files == {file: ["a.weight", "b.weight"]}
+    ref = dequantized(q, s)
+    with safe_open(file, framework="pt") as f:
+        for rows in (slice(None), slice(0, 150), slice(150, 300), slice(50, 170), slice(256, 300), slice(127, 129)):
+            for dtype in (torch.float32, torch.bfloat16):
+                got = pub.reader(f, "a.weight", torch.empty(0, dtype=dtype))(rows)
+                assert got.dtype == dtype and torch.equal(got, ref[rows].to(dtype)), (rows, dtype)
+        assert torch.equal(pub.reader(f, "b.weight", torch.empty(0))(slice(3, 9)), w[3:9])
