@@ -953,12 +953,22 @@ def _without_weights(model: GLM, path, device) -> GLM:
     return model
 
 
+# config.json's quantization_config.quant_method -> its reader, (quantization_config, {file: [names]}, path) ->
+# an object with .files (the names without the scales) and .reader(f, name, dst). machinery/fp8.py registers "fp8"
+# (block-wise e4m3, as zai-org/GLM-5-FP8) on import, as families register in FAMILIES: the model never imports the
+# machinery above it (docs/design.md's import rule), and every run imports it.
+QUANTIZED: dict = {}
+
+
 def _published_fp8(hf: dict, files: dict, path):
-    """load_pretrained of a checkpoint with a quantization_config: machinery/fp8.py's Published (one line naming the
-    key, or the file and tensor, for anything its config does not explain), whose reader dequantizes the fp8 weights.
-    (Imported here: only such checkpoints need it, and fp8.py imports this file.)"""
-    from machinery import fp8
-    return fp8.Published.of(hf["quantization_config"], files, path)
+    """load_pretrained of a checkpoint with a quantization_config: its registered reader (QUANTIZED; one line naming
+    the key, or the file and tensor, for anything its config does not explain), which dequantizes the fp8 weights."""
+    qc = hf["quantization_config"]
+    method = qc.get("quant_method") if isinstance(qc, dict) else qc
+    if method not in QUANTIZED:
+        raise ValueError(f"{os.path.join(path, 'config.json')}: quantization_config.quant_method is {method!r}: only "
+                         f"{', '.join(map(repr, QUANTIZED)) or 'block-wise fp8 (machinery.fp8, imported by any run)'} load")
+    return QUANTIZED[method](qc, files, path)
 
 
 def _init_indexers(params: dict, cfg: GLMConfig, fresh: dict, path):

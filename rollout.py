@@ -609,22 +609,29 @@ def sft_rows(cfg, tokenizer, examples, env_cls):
             for k, ep in enumerate(eps)]
 
 
-SPEC_STATS = ("spec_drafts", "spec_accepted", "spec_tokens", "spec_rows", "spec_draft_s", "spec_verify_s")
+SPEC_STATS = ("spec_drafts", "spec_accepted", "spec_tokens", "spec_rows", "spec_draft_s", "spec_verify_s", "spec_calls",
+              "plain_calls")
 
 
 def speculation_metrics(engine, seen: dict) -> dict:
     """A batch's speculative decoding (rollout.speculative_tokens; machinery/speculative.py), from the engine's
     counters since the last batch (`seen`: the counters then, updated here; an eval between them counts too): the
-    share of drafted tokens accepted, the tokens emitted per row of a verify forward (1 + the accepted drafts), and
-    the seconds the drafter and the verify forwards took. {} without speculation."""
+    share of the engine's calls that speculated (the others ran plain: it speculates only where that pays), and over
+    those that did, the share of drafted tokens accepted, the tokens emitted per row of a verify forward (1 + the
+    accepted drafts) and the seconds the drafter and the verify forwards took; each mode's last measured decode
+    tokens per second. {} without speculation."""
     stats = getattr(engine, "stats", {})
-    if not stats.get("spec_verifies"):
+    if not stats.get("spec_calls"):
         return {}
-    d = {k: stats[k] - seen.get(k, 0) for k in SPEC_STATS}
-    seen |= {k: stats[k] for k in SPEC_STATS}
-    return {"rollout/spec_accept_rate": d["spec_accepted"] / max(1, d["spec_drafts"]),
-            "rollout/spec_tokens_per_verify": d["spec_tokens"] / max(1, d["spec_rows"]),
-            "perf/spec_draft_s": d["spec_draft_s"], "perf/spec_verify_s": d["spec_verify_s"]}
+    d = {k: stats.get(k, 0) - seen.get(k, 0) for k in SPEC_STATS}
+    seen |= {k: stats.get(k, 0) for k in SPEC_STATS}
+    out = {"rollout/spec_on": d["spec_calls"] / max(1, d["spec_calls"] + d["plain_calls"])}
+    if d["spec_rows"]:  # (no call speculated since the last batch: no acceptance to report)
+        out |= {"rollout/spec_accept_rate": d["spec_accepted"] / max(1, d["spec_drafts"]),
+                "rollout/spec_tokens_per_verify": d["spec_tokens"] / d["spec_rows"],
+                "perf/spec_draft_s": d["spec_draft_s"], "perf/spec_verify_s": d["spec_verify_s"]}
+    return out | {f"perf/{m}_tokens_per_s": stats[f"{m}_tokens_per_s"] for m in ("spec", "plain")
+                  if f"{m}_tokens_per_s" in stats}
 
 
 def informative_groups(groups) -> int:

@@ -7,11 +7,18 @@ cost: a host lookup, about nothing; an MTP layer's would be about one decoder la
     python bench/speculative.py              # p = 0.7, k = 2 and 3; --p, --k, --rows, --new to change
     python bench/speculative.py --drafter mtp   # the model's MTP layer (machinery/speculative.MTPDrafter), trained
                                                 # for --mtp-steps Adam steps with families/mtp.mtp_loss on the plain run
+    python bench/speculative.py --adaptive 16   # also a run's adaptive engine (speculating only where it pays) over
+                                                # 16 calls, each beside a plain engine's call of the same batch
 
 Printed per k: seconds of a draft step and of a verify step (engine.stats' spec_draft_s / spec_verify_s per verify),
 of a plain decode step (the same run without speculation: its decode seconds per step), tokens per row-verify,
 the speedup those predict (tokens per verify x plain step / (draft + verify step)), and the one measured on the
-engine's busy time (wall seconds of the plain call over the speculative one's, prefills included).
+engine's busy time (wall seconds of the plain call over the speculative one's, prefills included). The engines
+above speculate in every call (Speculative(drafter, k)); with --adaptive CALLS, per k the adaptive one (a run's:
+Speculative.of) plays CALLS calls, each timed beside a plain engine's call of the same batch (interleaved, so a busy
+CPU slows both alike): its modes call by call (S speculative, P plain), its last figures (engine.stats'
+spec_tokens_per_s and plain_tokens_per_s) and its speedup on the engine's busy time (the plain calls' wall seconds
+over its own, prefills included).
 """
 import argparse
 import os
@@ -25,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from families import mtp  # noqa: E402
-from machinery.speculative import Drafter, Speculative  # noqa: E402
+from machinery.speculative import Drafter, MTPDrafter, Speculative  # noqa: E402
 from model import GLM, GLMConfig  # noqa: E402
 
 DSA = {"topk": 8, "heads": 4, "head_dim": 16, "rope_dim": 8, "pattern": "FS"}
@@ -66,6 +73,7 @@ def main():
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--drafter", choices=("oracle", "mtp"), default="oracle")
     ap.add_argument("--mtp-steps", type=int, default=60)
+    ap.add_argument("--adaptive", type=int, default=0, metavar="CALLS", help="the adaptive engine over CALLS calls (0: not)")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -106,7 +114,7 @@ def main():
           f"plain decode step {step * 1e3:.2f} ms, call {plain_wall:.2f} s")
     print("k | draft step ms | verify step ms | tokens/verify | accept rate | predicted speedup | measured speedup")
     for k in args.k:
-        spec = Speculative(Oracle(truth, args.p, vocab), k) if args.drafter == "oracle" else Speculative.of(model, k)
+        spec = Speculative(Oracle(truth, args.p, vocab) if args.drafter == "oracle" else MTPDrafter(), k)  # every call
         engine = TorchEngine(model, max_batch=args.rows, speculative=spec)
         engine.generate(prompts, sampling, seed=1)  # warm-up
         engine.stats.clear()
@@ -120,6 +128,28 @@ def main():
         per = s["spec_tokens"] / s["spec_rows"]
         print(f"{k} | {draft * 1e3:.3f} | {verify * 1e3:.2f} | {per:.2f} | {s['spec_accepted'] / s['spec_drafts']:.2f} | "
               f"{per * step / (draft + verify):.2f} | {plain_wall / wall:.2f}")
+        if args.adaptive:
+            adaptive(model, plain_engine, prompts, sampling, plain, k, args, truth, vocab)
+
+
+def adaptive(model, plain_engine, prompts, sampling, plain, k, args, truth, vocab):
+    """The adaptive engine (a run's) over args.adaptive calls, each beside a plain call: its modes, figures, speedup."""
+    drafter = Oracle(truth, args.p, vocab) if args.drafter == "oracle" else MTPDrafter()
+    engine = TorchEngine(model, max_batch=args.rows, speculative=Speculative(drafter, k, adaptive=True))
+    modes, walls, plain_walls = [], [], []
+    for _ in range(args.adaptive):
+        t = time.perf_counter()
+        plain_engine.generate(prompts, sampling, seed=1)
+        plain_walls.append(time.perf_counter() - t)
+        before = engine.stats.get("spec_calls", 0)
+        t = time.perf_counter()
+        out = engine.generate(prompts, sampling, seed=1)
+        walls.append(time.perf_counter() - t)
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain], "the adaptive engine changed the tokens"
+        modes.append("S" if engine.stats["spec_calls"] > before else "P")
+    s = engine.stats
+    print(f"  adaptive, k = {k}: {''.join(modes)}; figures {s.get('spec_tokens_per_s', 0):.0f} speculative, "
+          f"{s.get('plain_tokens_per_s', 0):.0f} plain tokens/s; busy time speedup {sum(plain_walls) / sum(walls):.2f}")
 
 
 if __name__ == "__main__":

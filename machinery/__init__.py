@@ -21,6 +21,7 @@ imports a chapter above it (rollout.py, train.py): what it needs from them is ha
     plot.py        a run's curves from metrics.jsonl (python -m machinery.plot RUN_DIR)
 """
 import families.mla_moe  # noqa: F401 (it registers GLM-4.7-Flash's and GLM-5's layers in model.FAMILIES, for every run)
+from machinery import fp8  # noqa: F401,E402 (it registers the block-wise FP8 checkpoints' reader in model.QUANTIZED)
 
 
 class ConfigError(ValueError):

@@ -166,7 +166,10 @@ class RolloutConfig:
     cuda_graphs: bool = True
     # Speculative decoding in the torch engine (machinery/speculative.py): a drafter (the model's MTP layer) proposes
     # this many tokens per row and one forward verifies them all. Draft and verification share the sampling noise, so
-    # tokens and logprobs are the plain engine's: only the speed changes. 0: off (needs a model with a drafter)
+    # tokens and logprobs are the plain engine's: only the speed changes. 0: off (needs a model with a drafter). It pays
+    # only where a draft costs less than the forwards it saves, so the engine measures both modes' decode tokens per
+    # second and speculates in the calls (a batch's generation, an eval set: each wholly one mode) where that is faster,
+    # running the other mode every PROBE_EVERY-th call (8) to keep its figure fresh
     speculative_tokens: int = 0
     engine: str = "torch"  # torch: our engine (runs DSA) | sglang: SGLang's (optional extra, dense checkpoints, GPU)
     # fp8: the generator holds the decoder's linear weights in block-wise e4m3 (fp8.py: 128x128 blocks, fp32 scales;

@@ -16,8 +16,8 @@ blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the
   prefill    _prefill: the admitted fresh contexts packed into one forward (_pack; a prompt's n samples
              run their shared context once), each one's first token sampled; its row joins _Rows
   decode     _decode, each iteration: one token for every running row at once (eager, or a CUDA graph of
-             a padded bucket: graphs.py; or k drafts verified in one forward: speculative.py), after a new
-             block for each row whose next token starts one (Scheduler.grow)
+             a padded bucket: graphs.py; or, in a call that speculates, k drafts verified in one forward:
+             speculative.py), after a new block for each row whose next token starts one (Scheduler.grow)
   finished   a stop token or its length, seen by the iteration's one device read (_read)
   released   _release / Scheduler.release: its blocks and buffer row go back at once; its tokens copy to
              the host without waiting and join it one iteration later (_land / Scheduler.land): yielded
@@ -49,7 +49,7 @@ from machinery.sampler import _mix32, _vocab_hash  # noqa: F401 (importable from
 from machinery.scheduler import Completion, Request, SamplingParams, Scheduler, extend_routes
 from machinery.scheduler import ADMIT_FRACTION, PREFILL_TOKENS  # noqa: F401 (importable from here: memory.py's)
 from machinery.sglang import SGLANG_MISSING, SGLangEngine  # noqa: F401 (make_engine's other engine)
-from machinery.speculative import Speculative
+from machinery.speculative import Speculative, synced
 from model import BLOCK_SIZE, GLM, Packed, PagedKVCache, to_device
 
 
@@ -90,7 +90,8 @@ class TorchEngine:
 
     Host work: the rows' state stays on the device (_Rows), an iteration reads back only their status and counts, once,
     and a finished row's tokens travel in bulk, landing by the next iteration's read. graphs=True: the decode forward runs
-    as a CUDA graph of a padded bucket (graphs.DecodeGraphs); speculative (speculative.py): k drafts verified per forward.
+    as a CUDA graph of a padded bucket (graphs.DecodeGraphs); speculative (speculative.py): k drafts verified per forward,
+    in the calls it chooses (decided in _open: the whole call speculates, or the whole call runs the plain path).
 
     Sampling is per request (sample_tokens: noise from a hash of the request's seed and step), so a fixed
     seed gives the same tokens whatever the batch, retraction or re-prefill. Calls take turns (`call_lock`):
@@ -107,7 +108,9 @@ class TorchEngine:
                  graphs: bool = False, speculative=None):
         self.model = model.eval().requires_grad_(False)
         self.max_batch, self.kv_tokens, self.reprefill, self.use_graphs = max_batch, kv_tokens, reprefill, graphs
-        self.spec, self.ahead = speculative, speculative.k if speculative else 0  # (drafts fed per row past its next token)
+        # the Speculative (or None); the running call's when it speculates (else None: the plain path), and its drafts fed
+        # per row past its next token (Scheduler's ahead)
+        self.spec, self.call_spec, self.ahead = speculative, None, 0
         self.graphs, self.version = None, 0  # DecodeGraphs for the current pool (when graphs); the weights' version
         # held for one forward or one weight update (re-entrant: with reprefill, _step holds it over its checks and forwards)
         self.lock = threading.RLock()
@@ -274,6 +277,8 @@ class TorchEngine:
         if self.use_graphs and (self.graphs is None or self.graphs.max_keys < longest or self.graphs.rows[-1] != self.max_batch):
             self.graphs = None
             self.graphs = DecodeGraphs(self.model, self.pool, self.max_batch, longest, capture=self.device.type == "cuda")
+        on = self.spec.open(self.stats) if self.spec else False  # the whole call speculates, or none of it does
+        self.call_spec, self.ahead = (self.spec, self.spec.k) if on else (None, 0)
         self.pool.free = list(range(self.pool.num_blocks - 1, -1, -1))
         self.sched = Scheduler(self.pool.free, self.max_batch, sampling.stop_token_ids, self.stats, ahead=self.ahead)
         dev, B, W = self.device, self.max_batch, max(1, width) + self.ahead
@@ -285,7 +290,9 @@ class TorchEngine:
         self.rows = _Rows.empty(blocks, dev)
 
     def _close(self):
-        self.sched, self.landing, self.out_tok, self.out_lp, self.rows = None, [], None, None, None
+        if self.spec:  # the call's mode's figure (speculative.Speculative.close)
+            self.spec.close(self.stats)
+        self.sched, self.landing, self.out_tok, self.out_lp, self.rows, self.call_spec = None, [], None, None, None, None
 
     # ------------------------------------------------------------------------- one iteration
 
@@ -318,7 +325,7 @@ class TorchEngine:
             if new:
                 self._prefill(new)
             if self.sched.running:
-                self.spec.step(self) if self.spec else self._decode()
+                self.call_spec.step(self) if self.call_spec else self._decode()
         host = self._read()
         self.sched.pos = host[2]  # (a speculative step moves each row its own number of positions)
         if (host[0] == 2).any():
@@ -344,8 +351,8 @@ class TorchEngine:
         fresh, ext = [r for r in new if not r.cached], [r for r in new if r.cached]
         outs = ([self._pack(fresh)] if fresh else []) + ([self._extend(ext)] if ext else [])
         logits = torch.cat([lg for lg, _ in outs])
-        if self.spec:  # the trunk's hidden whose logits these are: the drafter's first input (speculative.py)
-            self.spec.admitted(self, new, torch.cat([h for _, h in outs]))
+        if self.call_spec:  # the trunk's hidden whose logits these are: the drafter's first input (speculative.py)
+            self.call_spec.admitted(self, new, torch.cat([h for _, h in outs]))
         dev, n = self.device, len(new)
         seeds, base, left, buf = to_device([[r.seed for r in new], [len(r.tokens) for r in new],
                                             [r.max_new - len(r.tokens) for r in new], [r.buf for r in new]], dev, torch.long)
@@ -394,9 +401,9 @@ class TorchEngine:
         pos, last = to_device(pos, dev), None
         try:
             with self.lock:
-                if self.spec:  # the trunk at every position, for the drafter's KV; the norm on the rows sampled from
+                if self.call_spec:  # the trunk at every position, for the drafter's KV; the norm on the rows sampled
                     trunk = self.model(ids[None], position_ids=pos[None], cache=self.pool, return_hidden="trunk")[0]
-                    self.spec.prefill(self, trunk, ids.roll(-1), pos, ends=ends)  # (the token after each position)
+                    self.call_spec.prefill(self, trunk, ids.roll(-1), pos, ends=ends)  # (the token after each position)
                     last = trunk[ends][pick]
                     logits = self.model.lm_head(self.model.norm(last))
                 else:
@@ -430,13 +437,13 @@ class TorchEngine:
             keys, valid = key_slots(tables[owner[a:a + step]], pos[a:a + step], L)  # [R, L], left-padded
             with self.lock:
                 hidden.append(decode_forward(self.model, self.pool, tok[a:a + step, None], pos[a:a + step, None], keys,
-                                             valid, hidden="trunk" if self.spec else True))
-                if self.spec:
-                    self.spec.prefill(self, hidden[-1], nxt[a:a + step], pos[a:a + step], keys, valid)
+                                             valid, hidden="trunk" if self.call_spec else True))
+                if self.call_spec:
+                    self.call_spec.prefill(self, hidden[-1], nxt[a:a + step], pos[a:a + step], keys, valid)
                 self.step_version = self.version
         with self.lock:
             last = torch.cat(hidden)[to_device(last, dev, torch.long)]
-            if self.spec:
+            if self.call_spec:
                 return self.model.lm_head(self.model.norm(last)), last
             return self.model.lm_head(last), None
 
@@ -446,8 +453,10 @@ class TorchEngine:
 
     def _decode(self):
         """One token for every running row. Rows already done (a first token that was a stop) ride along
-        until the read; they sample, but nothing is recorded for them."""
-        rows = self.rows
+        until the read; they sample, but nothing is recorded for them. In an engine that may speculate (a plain call),
+        each step is timed to a device sync, with the tokens it emitted: the plain mode's figure (speculative.py)."""
+        rows, clock = self.rows, self.spec.clock if self.spec else None
+        t0 = clock() if clock else None
         self.stats["decode_steps"] += 1
         self.stats["decode_rows"] += len(self.sched.running)
         Lk = int(self.sched.pos.max()) + 1
@@ -469,6 +478,9 @@ class TorchEngine:
         rows.ngen = rows.ngen + live.long()
         rows.status = torch.where(live, self._status(tok, lp, rows.ngen, rows.left), rows.status)
         rows.last, rows.pos = tok, rows.pos + 1
+        if clock:
+            self.stats["plain_tokens"] = self.stats.get("plain_tokens", 0) + int(live.sum())
+            self.stats["plain_decode_s"] = self.stats.get("plain_decode_s", 0) + synced(self.device, clock) - t0
 
     def _read(self):
         """The iteration's one device-to-host transfer: status, ngen (tokens since admission) and pos [3, B].
@@ -541,8 +553,8 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, em
                             fp8=rollout.quantization == "fp8")
     model = GLM.from_pretrained(model_dir, dsa=dsa, device=device, weights=not empty or rollout.quantization == "fp8",
                                 mtp=mtp)
-    if rollout.quantization == "fp8":  # the decoder's linears to block-wise e4m3, layer by layer (fp8.py)
-        fp8.quantize_model_(model)
+    if rollout.quantization == "fp8":  # the decoder's linears to block-wise e4m3, layer by layer (fp8.py); a published
+        fp8.quantize_model_(model, published=model_dir)  # FP8 checkpoint's own blocks where they are ours
     if lora_cfg is not None:
         lora.add(model, lora.LoRAConfig(**lora_cfg), seed=seed)
     # when weights land is the Generator's choice; what rows in flight then do, the engine's

@@ -105,7 +105,7 @@ from kernels import dsa_triton
 from kernels import moe as moe_kernels
 from dsa import fp32_scope
 from families.mla_moe import Experts
-from model import GLM, _safetensors_files, family, hf_name
+from model import GLM, QUANTIZED, _safetensors_files, family, hf_name
 
 BLOCK = 128  # weight blocks are BLOCK x BLOCK, activation groups 1 x BLOCK
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -757,3 +757,6 @@ def published_blocks(published: Published | None, cfg, name, param):
         raise ValueError(f"{published.path}: the model's {name} is not the checkpoint's fp8 blocks dequantized "
                          "(quantize_model_'s published= must be the directory the model was loaded from)")
     return q, s
+
+
+QUANTIZED["fp8"] = Published.of  # model.load_pretrained reads such checkpoints through it

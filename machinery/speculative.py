@@ -2,8 +2,9 @@
 Speculative decoding in the torch engine: a drafter proposes k tokens per row, the target model verifies them
 in one forward, and every token emitted is exactly the one the plain engine samples there, with its logprob.
 TorchEngine (engine.py) calls Speculative.step in place of its one-token decode step when it was built with
-one (make_engine: rollout.speculative_tokens); the rest of a request's life (admission, prefill, sessions,
-retraction, release) is the engine's, unchanged. One step, for the running rows (engine._Rows, batch order):
+one (make_engine: rollout.speculative_tokens), in the calls that speculate (all, or where it pays: the last
+paragraph); the rest of a request's life (admission, prefill, sessions, retraction, release) is the engine's,
+unchanged. One step, for the running rows (engine._Rows, batch order):
 
   draft   the drafter proposes d_1..d_k for positions pos+1..pos+k (pos: where the row's last sampled token
           `last` goes). It draws each with the engine's own noise for that position: sample_keys(seed,
@@ -58,6 +59,22 @@ positions of the trunk's KV, so that a row's blocks (parked by a session's turn,
            hidden at t, the token emitted at t + 1), overwriting the drafts' provisional keys there; the other
            provisional keys lie at fed positions past the kept ones, which the step's clear resets in every layer
            of the pool, the MTP layer's included
+
+Speculation pays only where a draft step costs less than the forwards its accepted drafts save (on a CPU with the tiny
+model the MTP layer costs about the trunk's whole decode step: 0.94x at k = 2), so a run's Speculative (Speculative.of:
+adaptive) turns itself off where it does not pay. It decides per call (engine._open: one rollout batch's generation, or
+one eval set, a session with all its turns; Speculative.open): the call is wholly speculative (MTP prefill, drafts,
+verifies) or wholly plain (the plain engine's path exactly: no MTP prefill, its prefill's last block at the ends only,
+one-token decode steps, no lookahead blocks). Its figures, one per mode, are the last call's in that mode: decode
+tokens emitted per second of decode time (speculative: spec_tokens over spec_draft_s + spec_verify_s; plain: the
+engine's _decode steps, timed in a plain call of an engine that may speculate, plain_tokens over plain_decode_s,
+each step to a device sync). The first call speculates, the next runs plain; from then on each call takes the mode
+with the higher figure, except every PROBE_EVERY-th, which takes the other to keep its figure fresh (acceptance
+rises as the MTP layer trains). A whole call in one mode keeps the MTP KV invariant: parked KV lives for one session
+(its Scheduler), so every turn of a trajectory runs in its call's mode, and a speculative call has written the MTP KV
+of every position it holds (a plain call writes none; a later speculative one prefills all it reads). engine.stats
+gains spec_calls, plain_calls, plain_tokens, plain_decode_s, and spec_tokens_per_s / plain_tokens_per_s (the figures,
+once measured). Speculative(drafter, k) speculates in every call (tests, benchmarks); adaptive=True for the policy.
 """
 import time
 from dataclasses import dataclass
@@ -68,6 +85,10 @@ from families import mtp
 from families.mla_moe import no_route
 from machinery.graphs import decode_forward, key_slots
 from machinery.sampler import sample_keys, sample_tokens
+
+PROBE_EVERY = 8  # an adaptive Speculative runs every PROBE_EVERY-th call in the slower mode: that mode's figure, fresh
+# each mode's figure: (decode tokens emitted, its seconds...) in engine.stats, counted over one call of that mode
+MEASURED = {"spec": ("spec_tokens", "spec_draft_s", "spec_verify_s"), "plain": ("plain_tokens", "plain_decode_s")}
 
 
 def accepted(drafts, target):
@@ -117,13 +138,18 @@ class Drafter:
 
 
 class Speculative:
-    """k drafts per row and step from `drafter`, verified in one forward (this file's docstring)."""
+    """k drafts per row and step from `drafter`, verified in one forward (this file's docstring). adaptive: only in
+    the calls where that pays (the docstring's last paragraph); else in every call."""
 
-    def __init__(self, drafter, k: int):
+    def __init__(self, drafter, k: int, adaptive: bool = False):
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative decoding drafts k >= 1 tokens per row, got {k!r}")
-        self.drafter, self.k = drafter, k
+        self.drafter, self.k, self.adaptive = drafter, k, adaptive
         self.hidden = self.owner = None  # per token-buffer row: the trunk hidden at its last kept position, its request
+        self.clock = time.perf_counter  # both modes' steps are timed with it (tests inject their own)
+        self.rate = {"spec": None, "plain": None}  # each mode's figure: decode tokens per second, its last call's
+        self.settled = 0  # calls decided with both figures known (every PROBE_EVERY-th of them probes)
+        self.mode = None  # the open call's mode, and its counters (MEASURED) when it opened
 
     @staticmethod
     def of(model, k) -> "Speculative | None":
@@ -133,7 +159,34 @@ class Speculative:
         if k and getattr(model, "mtp", None) is None:
             raise ValueError(f"rollout.speculative_tokens: {k} drafts need a drafter, and the model has no MTP layers "
                              "(model.mtp_layers / config.json's num_nextn_predict_layers)")
-        return Speculative(MTPDrafter(), k) if k else None
+        return Speculative(MTPDrafter(), k, adaptive=True) if k else None
+
+    def choose(self) -> bool:
+        """Whether the call opening now speculates: the docstring's policy (always, unless adaptive)."""
+        spec, plain = self.rate["spec"], self.rate["plain"]
+        if not self.adaptive or spec is None:
+            return True
+        if plain is None:
+            return False
+        self.settled += 1
+        return (spec >= plain) != (self.settled % PROBE_EVERY == 0)  # the faster, or on a probe the other
+
+    def open(self, stats) -> bool:
+        """A call opens (engine._open): its mode, counted in stats (spec_calls / plain_calls), held for the whole call."""
+        on = self.choose()
+        mode = "spec" if on else "plain"
+        stats[f"{mode}_calls"] = stats.get(f"{mode}_calls", 0) + 1
+        self.mode = mode, [stats.get(key, 0) for key in MEASURED[mode]]
+        return on
+
+    def close(self, stats):
+        """The call ends (engine._close): its mode's figure, from the counters it moved (none if it decoded nothing)."""
+        if self.mode is None:
+            return
+        (mode, before), self.mode = self.mode, None
+        tokens, *seconds = (stats.get(key, 0) - b for key, b in zip(MEASURED[mode], before))
+        if tokens > 0 and sum(seconds) > 0:
+            self.rate[mode] = stats[f"{mode}_tokens_per_s"] = tokens / sum(seconds)
 
     def step(self, engine):
         """One speculative decode step of every running row (the docstring's draft, verify, accept, clear)."""
@@ -143,11 +196,11 @@ class Speculative:
         n = torch.where(run, (rows.left - rows.ngen - 1).clamp(0, k), 0)  # [B] drafts a row can use
         hidden, fresh = self._last(engine, rows)
         with engine.lock:  # draft and verify under one weight version
-            t0 = time.perf_counter()
+            t0 = self.clock()
             drafts = self.drafter.draft(engine, rows, hidden, fresh, k).to(dev, torch.long)
             if tuple(drafts.shape) != (B, k):
                 raise ValueError(f"{type(self.drafter).__name__}.draft returned {tuple(drafts.shape)} tokens, not {(B, k)}")
-            t1 = _synced(dev)
+            t1 = synced(dev, self.clock)
             fed = torch.cat((rows.last[:, None], drafts), 1)  # [B, k + 1]
             real = j[None] <= n[:, None]  # the verify rows fed; the others pad (scratch slot only)
             pos = torch.where(real, rows.pos[:, None] + j, 0)
@@ -182,7 +235,7 @@ class Speculative:
         with engine.lock:  # (the drafter's KV: the draft's weights)
             self.drafter.extend(engine, rows, Verify(fed, pos, keys[:, -1].view(B, k + 1), trunk, y, kept, run, keys, valid))
         self._keep(engine, rows, trunk.gather(1, (kept - 1)[:, None, None].expand(B, 1, trunk.shape[-1]))[:, 0])
-        t2 = _synced(dev)
+        t2 = synced(dev, self.clock)
         counts = torch.stack((run.sum(), torch.where(run, n, 0).sum(), torch.where(run, a, 0).sum(), emit.sum())).tolist()
         for key, v in zip(("spec_rows", "spec_drafts", "spec_accepted", "spec_tokens", "spec_verifies", "decode_steps",
                            "decode_rows", "spec_draft_s", "spec_verify_s"), counts + [1, 1, B, t1 - t0, t2 - t1]):
@@ -297,8 +350,8 @@ def clear_slots(pool, slots, clear):
         store.index_copy_(0, slots, torch.where(clear.view(-1, *[1] * (store.dim() - 1)), fill, old))
 
 
-def _synced(device) -> float:
+def synced(device, clock=time.perf_counter) -> float:
     """The time once the device has finished what was queued (a GPU's work runs behind the host)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter()
+    return clock()

@@ -554,3 +554,18 @@ def test_env_failures_in_eval_are_said_beside_the_accuracy(capsys):
     assert rollout.accuracy_line(out) == "multiply/accuracy 0.0% (the env failed 100% of its trajectories, each scored 0)"
     assert rollout.accuracy_line({"eval/synthetic/accuracy": 0.61, "eval/synthetic/env_failure_rate": 0.0}) == \
         "synthetic/accuracy 61.0%"
+
+
+def test_speculation_metrics_are_the_batchs_share_of_the_engines_counters():
+    """rollout/spec_* from the engine's cumulative counters: this batch's differences (seen keeps the last ones), the
+    acceptance only where a call speculated, nothing without speculation."""
+    stats = {"spec_calls": 1, "plain_calls": 0, "spec_drafts": 20, "spec_accepted": 15, "spec_tokens": 25,
+             "spec_rows": 10, "spec_draft_s": 0.5, "spec_verify_s": 1.0, "spec_tokens_per_s": 16.0}
+    engine, seen = SimpleNamespace(stats=stats), {}
+    assert rollout.speculation_metrics(engine, seen) == {
+        "rollout/spec_on": 1.0, "rollout/spec_accept_rate": 0.75, "rollout/spec_tokens_per_verify": 2.5,
+        "perf/spec_draft_s": 0.5, "perf/spec_verify_s": 1.0, "perf/spec_tokens_per_s": 16.0}
+    stats |= {"plain_calls": 3, "plain_tokens_per_s": 20.0}  # three plain calls since: no acceptance to report
+    assert rollout.speculation_metrics(engine, seen) == {"rollout/spec_on": 0.0, "perf/spec_tokens_per_s": 16.0,
+                                                         "perf/plain_tokens_per_s": 20.0}
+    assert rollout.speculation_metrics(SimpleNamespace(stats={"iterations": 3}), {}) == {}

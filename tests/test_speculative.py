@@ -4,7 +4,10 @@ p, one always wrong, a tiny model), tokens, logprobs, finish reasons, MoE routes
 slot a row owns equal a plain run's; the acceptance rule against a naive loop, and a planted bug caught end to end;
 sessions, retraction, weight updates; the statistics of the oracle. The MTP drafter (a run's): the plain run's tokens
 on a dense and an MLA + MoE model (DSA both), its KV against families/mtp.draft over each whole trajectory, and a
-trained MTP layer's drafts accepted far more often than an untrained one's."""
+trained MTP layer's drafts accepted far more often than an untrained one's. The adaptive policy (a run's): its choices
+against its statement, on injected figures and on an injected clock end to end (the faster mode, a probe every
+PROBE_EVERY calls, the figures against hand counts), plain calls on the plain path, and the MTP KV invariant in a
+speculative call after plain ones."""
 import copy
 import random
 from dataclasses import replace
@@ -15,7 +18,7 @@ import torch
 from families import mtp
 from machinery import speculative as spec_mod
 from machinery.engine import SamplingParams, TorchEngine
-from machinery.speculative import Drafter, MTPDrafter, Speculative, accepted, sample_draft
+from machinery.speculative import PROBE_EVERY, Drafter, MTPDrafter, Speculative, accepted, sample_draft
 from model import BLOCK_SIZE, GLM, KVCache
 from test_engine import DSA3, run_session, tiny_model, tiny_moe
 
@@ -293,7 +296,8 @@ def test_the_config_key():
     with pytest.raises(ValueError, match=r"rollout.speculative_tokens: 2 .* no MTP layers \(model.mtp_layers"):
         Speculative.of(tiny_model(), 2)
     spec = Speculative.of(MODELS["dense_dsa"](), 2)
-    assert isinstance(spec.drafter, MTPDrafter) and spec.k == 2
+    assert isinstance(spec.drafter, MTPDrafter) and spec.k == 2 and spec.adaptive  # (a run's: adaptive)
+    assert not Speculative(Oracle({}, 1.0), 2).adaptive
     with pytest.raises(ValueError, match="k >= 1"):
         Speculative(Oracle({}, 1.0), 0)
 
@@ -350,6 +354,41 @@ def mtp_reference(model, ids):
     return [s[0, :n - 1] for s in (cache.k[L], *cache.v[L:], cache.index_k[L]) if s is not None]
 
 
+def play_two_turns(engine, sampling):
+    """Two turns per trajectory in one session (the second extends the first's parked KV), every turn parked: the
+    completions by (trajectory, turn), the contexts, and (a speculative engine) each parked trajectory's parked ids and
+    its MTP stores over its blocks."""
+    ctx, outs = {i: list(p) for i, p in enumerate(PROMPTS)}, {}
+    with engine.session(sampling, 64) as call:
+        owner = {call.submit(ctx[i], 12, 100 + i, key=i): (i, 0) for i in ctx}
+        while call.busy:
+            for index, c in call.step():
+                i, turn = owner.pop(index)
+                outs[i, turn] = c
+                ctx[i] += c.token_ids
+                if turn == 0:
+                    ctx[i] += [7, 8, 9][:1 + i % 3]  # the env's answer
+                    owner[call.submit(ctx[i], 12, 200 + i, key=i)] = (i, 1)
+        pools = {i: (ids, mtp_stores(engine, blocks, len(blocks) * BLOCK_SIZE)) for i, (ids, blocks) in engine.parked.items()
+                 if engine.spec}
+    return outs, ctx, pools
+
+
+def stop_mid_way(model):
+    """Sampling whose stop tokens end rows mid-way (drafts past them are fed, then must leave nothing behind)."""
+    free = plain_run(model, SamplingParams(temperature=1.0, max_new_tokens=12))
+    return SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(free[0].token_ids[4], free[2].token_ids[6]))
+
+
+def assert_mtp_kv_is_a_plain_mtp_forwards(model, ctx, pools):
+    for i, (ids, stores) in pools.items():
+        n = len(ctx[i])
+        assert ids == ctx[i][:-1]  # the parked KV: every position but the last token's
+        for got_s, ref in zip(stores, mtp_reference(model, ctx[i]), strict=True):
+            assert torch.allclose(got_s[:n - 1].float(), ref.float(), atol=1e-5), i
+            assert not got_s[n - 1:].any(), i  # (the rest of its blocks: nothing)
+
+
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_the_mtp_layers_kv_equals_a_plain_mtp_forward_over_each_trajectory(kind):
     """Two turns per trajectory in a session (the second extends the first's parked KV), every turn parked, rows ending
@@ -357,39 +396,17 @@ def test_the_mtp_layers_kv_equals_a_plain_mtp_forward_over_each_trajectory(kind)
     every position the trunk's KV holds (prefill, extend and the draft extend wrote it), and holds nothing past them
     (the drafts' provisional keys were overwritten or cleared); the completions are the plain engine's."""
     model = MODELS[kind]()
-    free = plain_run(model, SamplingParams(temperature=1.0, max_new_tokens=12))
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(free[0].token_ids[4], free[2].token_ids[6]))
-
-    def play(engine):
-        ctx, outs = {i: list(p) for i, p in enumerate(PROMPTS)}, {}
-        with engine.session(sampling, 64) as call:
-            owner = {call.submit(ctx[i], 12, 100 + i, key=i): (i, 0) for i in ctx}
-            while call.busy:
-                for index, c in call.step():
-                    i, turn = owner.pop(index)
-                    outs[i, turn] = c
-                    ctx[i] += c.token_ids
-                    if turn == 0:
-                        ctx[i] += [7, 8, 9][:1 + i % 3]  # the env's answer
-                        owner[call.submit(ctx[i], 12, 200 + i, key=i)] = (i, 1)
-            pools = {i: (ids, mtp_stores(engine, blocks, len(blocks) * BLOCK_SIZE)) for i, (ids, blocks) in engine.parked.items()
-                     if engine.spec}
-        return outs, ctx, pools
-
-    want, ctx, _ = play(TorchEngine(model, max_batch=4))
+    sampling = stop_mid_way(model)
+    want, ctx, _ = play_two_turns(TorchEngine(model, max_batch=4), sampling)
     # (a pool that holds every trajectory: no block is evicted and reused, so a slot past a trajectory's end holds nothing)
     engine = TorchEngine(model, max_batch=4, kv_tokens=len(PROMPTS) * 64, speculative=Speculative.of(model, 3))
-    got, got_ctx, pools = play(engine)
+    got, got_ctx, pools = play_two_turns(engine, sampling)
     assert got_ctx == ctx and engine.stats["extends"] >= 4 and engine.stats["evicted"] == 0
     assert sum(c.finish_reason == "stop" for c in want.values()) >= 2
     for key in want:
         assert_same([got[key]], [want[key]])
-    for i, (ids, stores) in pools.items():
-        n = len(ctx[i])
-        assert ids == ctx[i][:-1]  # the parked KV: every position but the last token's
-        for got_s, ref in zip(stores, mtp_reference(model, ctx[i]), strict=True):
-            assert torch.allclose(got_s[:n - 1].float(), ref.float(), atol=1e-5), i
-            assert not got_s[n - 1:].any(), i  # (the rest of its blocks: nothing)
+    assert pools and engine.stats["spec_calls"] == 1
+    assert_mtp_kv_is_a_plain_mtp_forwards(model, ctx, pools)
 
 
 def test_retraction_and_a_weight_update_with_the_mtp_drafter():
@@ -438,7 +455,7 @@ def test_a_trained_mtp_layer_drafts_what_the_target_samples():
         opt.zero_grad()
         loss.backward()
         opt.step()
-    engine = TorchEngine(copy.deepcopy(model), max_batch=8, speculative=Speculative.of(model, 2))
+    engine = TorchEngine(copy.deepcopy(model), max_batch=8, speculative=Speculative(MTPDrafter(), 2))  # (every call)
     rates = []
     for version in (0, 1):
         if version:
@@ -448,3 +465,99 @@ def test_a_trained_mtp_layer_drafts_what_the_target_samples():
         s = engine.stats
         rates.append((s["spec_accepted"] - before["spec_accepted"]) / (s["spec_drafts"] - before["spec_drafts"]))
     assert rates[0] < 0.1 and rates[1] > 0.4, rates
+
+
+# ----------------------------------------------------------------------------- adaptive: speculation where it pays
+
+def test_the_policy_against_its_statement():
+    """Speculative.open's choices, figures injected: the first call speculates, then one runs plain (no plain figure),
+    then the faster mode but every PROBE_EVERY-th call, which runs the other; each call counted in stats. Without
+    adaptive (Speculative(drafter, k)): every call speculates, whatever the figures."""
+    def calls(spec, n, rate):
+        stats, modes = {}, []
+        for _ in range(n):
+            spec.rate = dict(rate)  # (close would overwrite the figure of the call's mode with the one it measured)
+            modes.append(spec.open(stats))
+            spec.close(stats)
+        assert stats.get("spec_calls", 0) == sum(modes) and stats.get("plain_calls", 0) == n - sum(modes)
+        return modes
+
+    adaptive = lambda: Speculative(Oracle({}, 1.0), 2, adaptive=True)  # noqa: E731
+    assert calls(adaptive(), 3, {"spec": None, "plain": None}) == [True] * 3  # (a call that measured nothing: again)
+    assert calls(adaptive(), 3, {"spec": 5.0, "plain": None}) == [False] * 3
+    n = 3 * PROBE_EVERY
+    for spec_rate, plain_rate in [(5.0, 7.0), (7.0, 5.0), (6.0, 6.0)]:
+        faster = spec_rate >= plain_rate
+        want = [faster if i % PROBE_EVERY != PROBE_EVERY - 1 else not faster for i in range(n)]
+        assert calls(adaptive(), n, {"spec": spec_rate, "plain": plain_rate}) == want
+    assert calls(Speculative(Oracle({}, 1.0), 2), n, {"spec": 1.0, "plain": 9.0}) == [True] * n
+
+
+class Ticks:
+    """A clock that moves one second per reading: a speculative step reads it three times (two seconds), a plain
+    step twice (one second)."""
+
+    def __init__(self):
+        self.t = 0
+
+    def __call__(self):
+        self.t += 1
+        return self.t
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_the_engine_takes_the_faster_mode_on_its_own_figures(p):
+    """An injected clock (Ticks) and an oracle whose drafts are all rejected (p = 0: one token per row and two seconds
+    a step, where a plain step emits one per second: plain is faster) or all accepted (p = 1, k = 3: four per two
+    seconds: speculation is). Call by call: the first speculates, the next runs plain, then the faster mode with a
+    probe of the other at the PROBE_EVERY-th; each mode's figure is its last call's, against a hand count (6 rows x 13
+    decode tokens a call, no stops: 13 plain steps; at p = 0 13 speculative steps, at p = 1 4); the tokens, logprobs
+    and finish reasons of every call are the plain engine's."""
+    model, k, sampling = tiny_model(), 3, SAMPLINGS[0]
+    want = plain_run(model, sampling)
+    spec = Speculative(Oracle({i: c.token_ids for i, c in enumerate(want)}, p), k, adaptive=True)
+    spec.clock = Ticks()
+    engine = TorchEngine(model, max_batch=8, speculative=spec)
+    modes = []
+    for _ in range(PROBE_EVERY + 3):
+        before = engine.stats.get("spec_calls", 0)
+        assert_same(engine.generate(PROMPTS, sampling, seed=3), want)
+        modes.append(engine.stats["spec_calls"] > before)
+    faster = p == 1.0
+    assert modes == [True, False] + [faster] * (PROBE_EVERY - 1) + [not faster, faster]
+    tokens = 6 * 13
+    assert spec.rate == {"spec": tokens / (2 * (4 if p else 13)), "plain": tokens / 13}
+    assert engine.stats["spec_tokens_per_s"] == spec.rate["spec"] and engine.stats["plain_tokens_per_s"] == spec.rate["plain"]
+    assert engine.stats["plain_tokens"] == tokens * engine.stats["plain_calls"]
+    assert engine.stats["spec_tokens"] == tokens * engine.stats["spec_calls"]
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_plain_calls_then_a_speculative_one_keep_the_mtp_kv_invariant(kind, monkeypatch):
+    """A run's adaptive engine (Speculative.of) whose figures say plain: its calls (sessions of two turns, the second
+    extending the first's parked KV) run the plain path (no draft, verify, MTP prefill or hidden kept: the MTP layer's
+    KV stays empty) with the plain engine's completions; then figures that say speculate: the next call speculates,
+    its completions the plain engine's, and its MTP KV over each trajectory equals a plain MTP forward's (the
+    invariant test's check), though the blocks it reuses held the plain calls' trunk KV."""
+    model = MODELS[kind]()
+    sampling = stop_mid_way(model)
+    want, ctx, _ = play_two_turns(TorchEngine(model, max_batch=4), sampling)
+    spec = Speculative.of(model, 3)
+    engine = TorchEngine(model, max_batch=4, kv_tokens=len(PROMPTS) * 64, speculative=spec)
+    with monkeypatch.context() as m:  # a plain call touches nothing of speculation's
+        for name in ("step", "prefill", "admitted"):
+            m.setattr(Speculative, name, lambda *a, **kw: pytest.fail("a plain call ran speculation's path"))
+        for _ in range(2):
+            spec.rate["spec"] = 1e-9  # (the second call: both figures known, plain's measured)
+            got, got_ctx, _ = play_two_turns(engine, sampling)
+            assert got_ctx == ctx and all(got[key].token_ids == want[key].token_ids for key in want)
+            assert all(got[key].logprobs == want[key].logprobs for key in want)  # (the same path: the same roundings)
+    L = model.cfg.num_layers
+    assert engine.stats["plain_calls"] == 2 and engine.stats["extends"] >= 4 and "spec_calls" not in engine.stats
+    assert not any(s.any() for s in (engine.pool.k[L], *engine.pool.v[L:], engine.pool.index_k[L]) if s is not None)
+    spec.rate["spec"] = 1e9
+    got, got_ctx, pools = play_two_turns(engine, sampling)
+    assert engine.stats["spec_calls"] == 1 and engine.stats["spec_verifies"] > 0 and got_ctx == ctx
+    for key in want:
+        assert_same([got[key]], [want[key]])
+    assert_mtp_kv_is_a_plain_mtp_forwards(model, ctx, pools)

@@ -673,6 +673,22 @@ def test_every_optional_path_runs(tmp_path):
     assert all("train/logp_diff_max" in r and "train/mismatch_k3" in r and "train/icepop_masked_frac" in r for r in rl)
 
 
+def test_the_mtp_demo_trains_its_mtp_layer_from_the_warm_up_on_and_drafts_the_rollouts(tmp_path):
+    """configs/tiny_mtp_cpu.yaml, shortened: the MTP layer's loss in the SFT stage and every RL step, its gradient norm
+    apart from the policy's, and the engine's calls drafting with it (the first speculates; rollout/spec_on)."""
+    run_dir = str(tmp_path / "mtp")
+    run_train(run_dir, config=os.path.join(ROOT, "configs", "tiny_mtp_cpu.yaml"), fork=True)
+    rows = metrics(run_dir)
+    sft, rl = [r for r in rows if r["stage"] == "sft"], [r for r in rows if r["stage"] == "rl" and r["step"] > 0]
+    assert sft and all(r["train/mtp_loss"] > 0 and math.isfinite(r["train/mtp_grad_norm"]) for r in sft)
+    assert "train/mtp_loss" not in next(r for r in rows if r["stage"] == "dsa_warmup")
+    assert len(rl) == 4 and all(r["train/mtp_loss"] > 0 and r["train/mtp_grad_norm"] > 0 for r in rl)
+    assert rl[0]["rollout/spec_on"] > 0 and 1.0 <= rl[0]["rollout/spec_tokens_per_verify"] <= 3.0
+    assert sft[-1]["train/mtp_loss"] < sft[0]["train/mtp_loss"]  # it learns to draft
+    saved = json.load(open(os.path.join(run_dir, "checkpoints", "step_000004", "config.json")))
+    assert saved["num_nextn_predict_layers"] == 1  # saved as the published checkpoints hold it
+
+
 # ----------------------------------------------------------------------------- a run you can trust
 
 # wall-clock figures, and the handoff's (co-located runs alone report them): the only keys that may differ
