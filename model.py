@@ -119,8 +119,12 @@ class GLMConfig:
     def from_hf(cls, d: dict) -> "GLMConfig":
         """From a transformers config.json, which its model_type's family reads (GLM-4's: _glm4_from_hf)."""
         rope = dict(d.get("rope_parameters") or {})
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"config.json: rope_type {rope['rope_type']!r} is not supported (only 'default')")
+        legacy = d.get("rope_scaling") or {}  # the older form (transformers 4): {type or rope_type: yarn, factor: ...}
+        kind = rope.get("rope_type", legacy.get("rope_type", legacy.get("type", "default")) if isinstance(legacy, dict)
+                        else legacy)
+        if kind != "default":  # a scaled RoPE read as the plain one would silently change every position's angle
+            key = "rope_parameters.rope_type" if "rope_type" in rope else "rope_scaling"
+            raise ValueError(f"config.json: {key} {kind!r} is not supported (only the default RoPE)")
         return family(d.get("model_type", "glm4")).from_hf(cls, d, rope)
 
     def to_hf(self) -> dict:

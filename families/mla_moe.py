@@ -145,6 +145,12 @@ def _period(s: str) -> str:
     return next(s[:n] for n in range(1, len(s) + 1) if (s[:n] * len(s))[:len(s)] == s)
 
 
+# transformers' defaults where a family's differ from MoEConfig's (GLM-4.7-Flash's): what a config.json without
+# these keys means
+MOE_DEFAULTS = {"glm_moe_dsa": {"n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
+                                "routed_scaling_factor": 2.5}}
+
+
 def _latent_from_hf(cls, d: dict, rope: dict) -> GLMConfig:
     kind, L = d.get("model_type"), d["num_hidden_layers"]
     if d.get("rope_interleave", True) is False:
@@ -172,7 +178,8 @@ def _latent_from_hf(cls, d: dict, rope: dict) -> GLMConfig:
         eos_token_id=d.get("eos_token_id") or [], bos_token_id=d.get("bos_token_id"), dsa=dsa_cfg,
         mtp_layers=d.get("num_nextn_predict_layers", 0),  # (families/mtp.py: model.layers.{L}.* in the files)
         mla=MLAConfig(**{k: d[k] for k in MLAConfig.__dataclass_fields__ if k in d}),
-        moe=MoEConfig(**{k: d[k] for k in MoEConfig.__dataclass_fields__ if k in d and k != "mlp_layer_types"},
+        moe=MoEConfig(**MOE_DEFAULTS.get(kind, {}) | {k: d[k] for k in MoEConfig.__dataclass_fields__
+                                                      if k in d and k != "mlp_layer_types"},
                       mlp_layer_types=list(d.get("mlp_layer_types") or ["dense"] * n_dense + ["sparse"] * (L - n_dense))),
     )
 

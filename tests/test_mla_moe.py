@@ -511,3 +511,19 @@ def test_moe_paged_prefill_decode_and_extension_equal_the_full_forward(moe_pair,
                 want[-1, :n0 - 1] = NR
             assert torch.equal(got, want), i
         assert torch.equal(torch.stack(r.chosen)[:, :, 0], routes[1][:, start:])
+
+
+def test_a_glm5_config_json_without_moe_keys_means_glm5s_moe_not_flashs():
+    """transformers' glm_moe_dsa defaults (GLM-5: 256 experts, top-8, 2048 wide, scaling 2.5) where config.json omits
+    them, as transformers reads it; glm4_moe_lite keeps GLM-4.7-Flash's."""
+    want = GlmMoeDsaConfig()
+    for d in (json.loads(GlmMoeDsaConfig(num_hidden_layers=4).to_json_string()),):
+        d = {k: v for k, v in d.items() if k not in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                      "routed_scaling_factor")}
+        moe = model.GLMConfig.from_hf(d).moe
+        assert (moe.n_routed_experts, moe.num_experts_per_tok, moe.moe_intermediate_size, moe.routed_scaling_factor) == \
+            (want.n_routed_experts, want.num_experts_per_tok, want.moe_intermediate_size, want.routed_scaling_factor)
+    flash = json.loads(Glm4MoeLiteConfig(num_hidden_layers=4).to_json_string())
+    flash = {k: v for k, v in flash.items() if k not in ("n_routed_experts", "routed_scaling_factor")}
+    moe = model.GLMConfig.from_hf(flash).moe
+    assert (moe.n_routed_experts, moe.routed_scaling_factor) == (64, 1.8)

@@ -90,6 +90,21 @@ def test_flat_and_rope_parameters_config_forms(tmp_path):
     assert 9.0e9 < n < 9.5e9  # GLM-4-9B-0414 has 9.4B parameters
 
 
+def test_a_scaled_rope_in_either_form_is_refused_in_one_line():
+    """transformers 4's rope_scaling ({type: yarn, ...}) and 5's rope_parameters.rope_type: a scaled RoPE read as the
+    default one would change every position's angle in silence; a default or null rope_scaling loads."""
+    modern = json.loads(hf_config(4, 2, 16, 0.5, 1).to_json_string())
+    flat = {k: v for k, v in modern.items() if k != "rope_parameters"} | {"rope_theta": 10000.0}
+    for legacy in ({"type": "yarn", "factor": 4.0}, {"rope_type": "linear", "factor": 2.0}):
+        with pytest.raises(ValueError, match=r"^config.json: rope_scaling '(yarn|linear)' is not supported") as e:
+            GLMConfig.from_hf(flat | {"rope_scaling": legacy})
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="rope_parameters.rope_type 'yarn'"):
+        GLMConfig.from_hf(modern | {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}})
+    for fine in (None, {"type": "default"}):
+        assert GLMConfig.from_hf(flat | {"rope_scaling": fine}) == GLMConfig.from_hf(modern)
+
+
 def test_sharded_checkpoint_loads(pair, tmp_path):
     hf, ours, _ = pair
     ours.save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=20_000)
