@@ -510,26 +510,7 @@ class GLM(nn.Module):
         device = input_ids.device
         paged, cache = (cache, None) if isinstance(cache, PagedKVCache) else (None, cache)  # paged: masks as without a cache
         past = cache.length if cache is not None else 0
-        if cache is not None and past + T > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} slots; {past} used + {T} new tokens do not fit")
-        valid = attention_mask.bool() if attention_mask is not None else None
-        # Packed rows: position_ids without a cache, or a paged prefill (a paged decode step reads its rows'
-        # keys through the pool instead: Attention.paged_decode)
-        packed = position_ids is not None and cache is None and (paged is None or paged.keys is None)
-        if packed and valid is not None:
-            raise ValueError("packed rows (position_ids without a cache) have no padding: drop attention_mask")
-        if position_ids is None:
-            position_ids = (past + torch.arange(T, device=device)).expand(B, T)
-        if cache is not None:
-            cache.key_mask[:, past:past + T] = True if valid is None else valid
-            mask = AttnMask(torch.arange(past, past + T, device=device), past + T, cache.key_mask[:, :past + T])
-        else:
-            groups = getattr(paged, "packed", None) or (Packed.of(position_ids) if packed else None)
-            mask = AttnMask(torch.arange(T, device=device), T, valid, packed=groups)
-
-        rope = {"main": rope_cos_sin(position_ids, self.cfg.rope_dim, self.cfg.rope_theta, self.cfg.head_dim)}
-        if self.cfg.dsa is not None:
-            rope["index"] = rope_cos_sin(position_ids, self.cfg.dsa.rope_dim, self.cfg.rope_theta, self.cfg.dsa.head_dim)
+        mask, rope = attention_inputs(self.cfg, B, T, device, position_ids, attention_mask, cache or paged)
         if indexer_loss not in (None, "dense", "sparse"):
             raise ValueError(f"indexer_loss must be None, 'dense' or 'sparse', got {indexer_loss!r}")
         if indexer_loss is not None and self.cfg.dsa is None:
@@ -590,6 +571,33 @@ class GLM(nn.Module):
 
 
 # ----------------------------------------------------------------------------- what the forward's callers hand it
+
+def attention_inputs(cfg: GLMConfig, B: int, T: int, device, position_ids, attention_mask, cache):
+    """A forward's attention mask and RoPE tables (fp32) for T new tokens of B rows: plain rows, packed rows
+    (position_ids without a cache, or a paged prefill: a paged decode step reads its rows' keys through the pool
+    instead, Attention.paged_decode), or a KVCache at its `length`, whose key mask it marks. -> (AttnMask, rope)."""
+    paged = isinstance(cache, PagedKVCache)
+    kv = None if paged else cache
+    past = kv.length if kv is not None else 0
+    if kv is not None and past + T > kv.max_len:
+        raise ValueError(f"KV cache holds {kv.max_len} slots; {past} used + {T} new tokens do not fit")
+    valid = attention_mask.bool() if attention_mask is not None else None
+    packed = position_ids is not None and kv is None and (not paged or cache.keys is None)
+    if packed and valid is not None:
+        raise ValueError("packed rows (position_ids without a cache) have no padding: drop attention_mask")
+    if position_ids is None:
+        position_ids = (past + torch.arange(T, device=device)).expand(B, T)
+    if kv is not None:
+        kv.key_mask[:, past:past + T] = True if valid is None else valid
+        mask = AttnMask(torch.arange(past, past + T, device=device), past + T, kv.key_mask[:, :past + T])
+    else:
+        groups = getattr(cache, "packed", None) or (Packed.of(position_ids) if packed else None)
+        mask = AttnMask(torch.arange(T, device=device), T, valid, packed=groups)
+    rope = {"main": rope_cos_sin(position_ids, cfg.rope_dim, cfg.rope_theta, cfg.head_dim)}
+    if cfg.dsa is not None:
+        rope["index"] = rope_cos_sin(position_ids, cfg.dsa.rope_dim, cfg.rope_theta, cfg.dsa.head_dim)
+    return mask, rope
+
 
 @dataclass
 class AttnMask:

@@ -97,7 +97,7 @@ def packed_forward(model, rows, temperature=1.0, indexer_loss=None, logprobs=Tru
     out = model(ids, position_ids=pos, indexer_loss=indexer_loss, return_hidden="trunk" if trunk else True,
                 keep=None if trunk else where, routing=routing)
     hidden, kl = out if indexer_loss is not None else (out, None)  # [1, N, hidden]
-    hidden, mtp_loss = variants.mtp_loss(net, hidden, ids, pos, where, mtp) if trunk else (hidden, None)
+    hidden, mtp_loss = variants.mtp_loss(net, hidden, ids, pos, where, mtp, temperature) if trunk else (hidden, None)
     if not logprobs:
         return None, None, kl, mtp_loss
     h, targets = hidden[0], ids[0, where + 1]  # [N, hidden], [N]: the token each kept position predicts
@@ -167,10 +167,10 @@ def train_warmup(stage, run: startup.Run):
                 logp, _, kl, mtp = packed_forward(learner, part, 1.0, indexer_loss, logprobs=not indexer_only, mtp=mtp_scale)
                 nll = -logp.sum() / n_answer if logp is not None else torch.zeros((), device=device)
                 kl = kl * sum(len(s) for s, _ in part) / n_all if kl is not None else torch.zeros((), device=device)
-                mtp = mtp * sum(n for _, spans in part for _, n in spans) / n_answer if mtp is not None else 0.0
+                mtp = mtp * sum(n for _, spans in part for _, n in spans) / n_answer if mtp is not None else torch.zeros((), device=device)
             learner_backward(learner, (nll + kl + mtp) * (mb is not None), last=k == len(parts) - 1)  # parts of global means
             if mb is not None:
-                nll_sum, kl_sum, mtp_sum = nll_sum + float(nll.detach()), kl_sum + float(kl.detach()), mtp_sum + float(mtp)
+                nll_sum, kl_sum, mtp_sum = nll_sum + float(nll.detach()), kl_sum + float(kl.detach()), mtp_sum + float(mtp.detach())
         nll_sum, kl_sum, mtp_sum = global_sum(nll_sum, kl_sum, mtp_sum)
         row = optimizer_step(optimizer, model, nll_sum + kl_sum + mtp_sum, cfg.optim.grad_clip, lambda: lr_at(cfg, lr, step))
         step += 1

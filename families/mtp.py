@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 import model
-from model import GLM, AttnMask, GLMConfig, KVCache, Packed, PagedKVCache, RMSNorm, family, rope_cos_sin
+from model import GLM, GLMConfig, KVCache, PagedKVCache, RMSNorm, attention_inputs, family
 
 # The MTP layer's own tensors beside its block's, and the two that copy the main model's (file names inside the layer)
 GLUE = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
@@ -107,7 +107,9 @@ class MTPLayer(nn.Module):
         if kv is not None:  # a KVCache writes at its `length`: the MTP layer's slots, one token behind the decoder's
             trunk_length, kv.length = kv.length, kv.mtp_length
         try:
-            mask, rope = attention_inputs(self.block.self_attn.cfg, x, position_ids, attention_mask, cache)
+            mask, rope = attention_inputs(self.block.self_attn.cfg, *x.shape[:2], x.device, position_ids, attention_mask,
+                                          cache)
+            rope = {name: (cos.to(x.dtype), sin.to(x.dtype)) for name, (cos, sin) in rope.items()}
             x, _, _ = self.block(x, rope, mask, cache, None, None, keep)
             if kv is not None:
                 kv.mtp_length = kv.length + T
@@ -115,34 +117,6 @@ class MTPLayer(nn.Module):
             if kv is not None:
                 kv.length = trunk_length
         return x
-
-
-def attention_inputs(cfg: GLMConfig, x, position_ids, attention_mask, cache):
-    """GLM.forward's mask and RoPE tables for one layer's input x [B, T, hidden] (the same cases: plain rows,
-    packed rows, a KVCache at its `length`, a PagedKVCache prefill or decode step). -> (AttnMask, rope)."""
-    B, T = x.shape[:2]
-    device = x.device
-    paged = isinstance(cache, PagedKVCache)
-    kv = cache if isinstance(cache, KVCache) else None
-    past = kv.length if kv is not None else 0
-    if kv is not None and past + T > kv.max_len:
-        raise ValueError(f"KV cache holds {kv.max_len} slots; {past} used + {T} new tokens do not fit")
-    valid = attention_mask.bool() if attention_mask is not None else None
-    packed = position_ids is not None and kv is None and (not paged or cache.keys is None)
-    if packed and valid is not None:
-        raise ValueError("packed rows (position_ids without a cache) have no padding: drop attention_mask")
-    if position_ids is None:
-        position_ids = (past + torch.arange(T, device=device)).expand(B, T)
-    if kv is not None:
-        kv.key_mask[:, past:past + T] = True if valid is None else valid
-        mask = AttnMask(torch.arange(past, past + T, device=device), past + T, kv.key_mask[:, :past + T])
-    else:
-        groups = getattr(cache, "packed", None) or (Packed.of(position_ids) if packed else None)
-        mask = AttnMask(torch.arange(T, device=device), T, valid, packed=groups)
-    rope = {"main": rope_cos_sin(position_ids, cfg.rope_dim, cfg.rope_theta, cfg.head_dim)}
-    if cfg.dsa is not None:
-        rope["index"] = rope_cos_sin(position_ids, cfg.dsa.rope_dim, cfg.rope_theta, cfg.dsa.head_dim)
-    return mask, {name: (cos.to(x.dtype), sin.to(x.dtype)) for name, (cos, sin) in rope.items()}
 
 
 def embed_and_head(m: GLM, layer: MTPLayer):
@@ -181,7 +155,8 @@ class _Detached(nn.Module):
         return F.embedding(x, w) if isinstance(self.inner, nn.Embedding) else F.linear(x, w)
 
 
-def mtp_loss(m: GLM, hidden, input_ids, loss_mask, position_ids=None, detach_trunk=True, scale=1.0, chunk=1024):
+def mtp_loss(m: GLM, hidden, input_ids, loss_mask, position_ids=None, detach_trunk=True, scale=1.0, chunk=1024,
+             temperature=1.0):
     """The MTP layers' training loss: layer j at position t reads (its input hidden at t, token t+1+j) and predicts
     token t+2+j; the cross-entropy counts where loss_mask[t+2+j] is set and t+2+j is in t's sequence (packed rows:
     position_ids restart at 0 where a sequence starts, as GLM.forward takes them). Each layer's mean over its
@@ -190,7 +165,10 @@ def mtp_loss(m: GLM, hidden, input_ids, loss_mask, position_ids=None, detach_tru
     hidden [B, T, hidden]: GLM.forward(..., return_hidden="trunk"), before the final norm. input_ids, loss_mask
     [B, T]. detach_trunk: no gradient reaches the main model (its hidden states, embedding and head): RL trains
     the MTP layers alone. chunk: tokens per head call; each chunk's [chunk, vocab] logits are recomputed in
-    backward rather than kept."""
+    backward rather than kept. temperature: the cross-entropy of softmax(logits / temperature), the distribution
+    the engine drafts from at that sampling temperature: trained on tokens sampled at T (RL's), the layer's logits
+    then match the policy's own, so its drafts at T are the policy's draws (at 1 they would learn the flatter
+    softmax(policy / T), which drafting divides by T again)."""
     if not m.cfg.mtp_layers:
         raise ValueError("mtp_loss: the model has no MTP layers (model.mtp_layers)")
     B, T = input_ids.shape
@@ -218,16 +196,16 @@ def mtp_loss(m: GLM, hidden, input_ids, loss_mask, position_ids=None, detach_tru
         w = head.inner.weight.detach() if isinstance(head, _Detached) else head.weight
         total = x.sum() * 0.0
         for c in range(0, x.shape[0], chunk):
-            total = total + torch.utils.checkpoint.checkpoint(_ce_sum, x[c:c + chunk], w, y[c:c + chunk],
+            total = total + torch.utils.checkpoint.checkpoint(_ce_sum, x[c:c + chunk], w, y[c:c + chunk], temperature,
                                                               use_reentrant=False)
         losses.append(total / count.sum().clamp(min=1))
     return scale * torch.stack(losses).mean()
 
 
-def _ce_sum(x, w, y):
-    """The summed cross-entropy of logits x @ w.T [N, vocab] (in fp32 at least) against y [N]."""
+def _ce_sum(x, w, y, temperature=1.0):
+    """The summed cross-entropy of logits x @ w.T / temperature [N, vocab] (in fp32 at least) against y [N]."""
     logits = F.linear(x, w)
-    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y, reduction="sum")
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, y, reduction="sum")
 
 
 # ----------------------------------------------------------------------------- checkpoints

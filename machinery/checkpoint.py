@@ -227,6 +227,8 @@ def starting_point(cfg, run_dir) -> str:
     out = os.path.join(run_dir, "init_model")
     tokenizer = cfg.model.tokenizer or ("tiny-tools" if data.uses_tools(cfg.data.train) else None)
     made_from = {"init": cfg.model.init, "dsa": cfg.model.dsa, "tokenizer": tokenizer, "seed": cfg.seed}
+    mtp = {} if cfg.model.mtp_layers is None else {"mtp_layers": cfg.model.mtp_layers}  # (a fresh model's own MTP layers)
+    made_from |= mtp
     stamp = os.path.join(out, "made_from.json")
     if os.path.isdir(out):
         try:
@@ -238,7 +240,7 @@ def starting_point(cfg, run_dir) -> str:
         print(f"[train] {out} was made from other settings: rebuilding it", flush=True)
     tok = (AutoTokenizer.from_pretrained(hub.model_dir(cfg.model.tokenizer, "model.tokenizer")) if cfg.model.tokenizer
            else data.synthetic_tokenizer(cfg.data.train))
-    glm_cfg = GLMConfig(**cfg.model.init, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+    glm_cfg = GLMConfig(**{**cfg.model.init, **mtp}, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                         eos_token_id=[tok.eos_token_id], dsa=cfg.model.dsa)
     torch.manual_seed(cfg.seed)
     save_dir(out, GLM(glm_cfg), tok, files={"made_from.json": json.dumps(made_from)})

@@ -32,16 +32,18 @@ def reference_logprobs(ref_model, parts, forward, temperature, like):
     return ref_logp
 
 
-def mtp_loss(net, trunk, ids, pos, where, scale):
+def mtp_loss(net, trunk, ids, pos, where, scale, temperature):
     """Training the MTP layers (model.mtp_layers, model.mtp_loss_scale > 0) beside a stage's objective, from one
     forward: trunk [1, L, hidden] (the trunk's states at every position, before the final norm: the MTP layers read
     every position, the prompt's too) -> (the model's hidden states [1, N, hidden] at the kept positions `where`, as
     packed_forward needs them, and families/mtp.mtp_loss over the row's scored tokens, each predicted two ahead
     from the position before the one that predicts it). The trunk is detached: only the MTP layers learn from it, and
-    the policy's gradient stays the stage's own (RL: GRPO's; SFT: the next-token loss)."""
+    the policy's gradient stays the stage's own (RL: GRPO's; SFT: the next-token loss). temperature: the step's
+    (RL: the rollout's, at which its tokens were sampled and the engine drafts; SFT: 1)."""
     targets = torch.zeros_like(ids, dtype=torch.bool)
     targets[0, where + 1] = True  # [1, L]: the scored tokens, what the MTP layers learn to draft
-    return net.norm(trunk[:, where]), mtp.mtp_loss(net, trunk, ids, targets, pos, detach_trunk=True, scale=scale)
+    return net.norm(trunk[:, where]), mtp.mtp_loss(net, trunk, ids, targets, pos, detach_trunk=True, scale=scale,
+                                                       temperature=temperature)
 
 
 def mtp_share(loss, n, n_rank, sums):

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import families.mla_moe  # noqa: F401 (registers the MLA + MoE families; the package the MTP module)
 from families import mtp
-from model import FP32_PARAMS, GLM, GLMConfig, KVCache, PagedKVCache, our_name
+from model import FP32_PARAMS, GLM, GLMConfig, KVCache, PagedKVCache, attention_inputs, our_name
 
 # GLM-4.7-Flash's published config.json (zai-org/GLM-4.7-Flash), only the sizes shrunk: hidden 2048 -> 32, vocab
 # 154880 -> 96, 47 layers -> 3, 64 experts -> 8, the MLA ranks and head widths, and the token ids to fit the vocabulary
@@ -246,7 +246,7 @@ def naive_rms(x, w, eps):
     return w * x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
 
 
-def reference_loss(m, hidden, ids, loss_mask, lengths):
+def reference_loss(m, hidden, ids, loss_mask, lengths, temperature=1.0):
     """mtp_loss in float64, one sequence at a time, written out: the glue by hand, the block as the layer's own, the
     cross-entropy as -log softmax of each counted target, averaged over the counted tokens. (model.RMSNorm computes
     in fp32 even for fp64 input: hence the tolerances of ~1e-6.)"""
@@ -261,19 +261,21 @@ def reference_loss(m, hidden, ids, loss_mask, lengths):
         logits = naive_rms(x, layer.shared_head.norm.weight, eps) @ m.lm_head.weight.T  # [1, length - 1, V]
         for t in range(length - 2):
             if lm[0, t + 2]:
-                total = total - torch.log_softmax(logits[0, t], -1)[tok[0, t + 2]]
+                total = total - torch.log_softmax(logits[0, t] / temperature, -1)[tok[0, t + 2]]
                 n += 1
         start += length
     return total / n
 
 
 def _block(layer, x):
-    mask, rope = mtp.attention_inputs(layer.block.self_attn.cfg, x, None, None, None)
+    mask, rope = attention_inputs(layer.block.self_attn.cfg, *x.shape[:2], x.device, None, None, None)
+    rope = {name: (cos.to(x.dtype), sin.to(x.dtype)) for name, (cos, sin) in rope.items()}
     return layer.block(x, rope, mask, None, None, None)[0]
 
 
-@pytest.mark.parametrize("detach", [True, False])
-def test_mtp_loss_and_gradient_match_a_float64_reference(detach):
+@pytest.mark.parametrize("detach, temperature", [(True, 1.0), (False, 1.0), (True, 2.0)])
+def test_mtp_loss_and_gradient_match_a_float64_reference(detach, temperature):
+    """(temperature: the rollout's, at which RL's tokens were sampled and the engine drafts)"""
     m = small_model("dense").double()
     lengths = [6, 5]  # one packed row of two sequences
     ids = torch.randint(0, 60, (1, sum(lengths)))
@@ -281,10 +283,11 @@ def test_mtp_loss_and_gradient_match_a_float64_reference(detach):
     loss_mask = torch.rand(1, sum(lengths)) > 0.3
     loss_mask[0, 2] = True
     trunk = m(ids, position_ids=pos, return_hidden="trunk")
-    loss = mtp.mtp_loss(m, trunk, ids, loss_mask, position_ids=pos, detach_trunk=detach, scale=0.2, chunk=3)
+    loss = mtp.mtp_loss(m, trunk, ids, loss_mask, position_ids=pos, detach_trunk=detach, scale=0.2, chunk=3,
+                        temperature=temperature)
     params = [m.mtp["2"].eh_proj.weight, m.mtp["2"].shared_head.norm.weight, m.lm_head.weight, m.layers[0].mlp.down_proj.weight]
     grads = torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
-    ref = 0.2 * reference_loss(m, trunk if not detach else trunk.detach(), ids, loss_mask, lengths)
+    ref = 0.2 * reference_loss(m, trunk if not detach else trunk.detach(), ids, loss_mask, lengths, temperature)
     ref_grads = torch.autograd.grad(ref, params, allow_unused=True)
     torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-9)
     for g, r in zip(grads[:2], ref_grads[:2]):

@@ -198,7 +198,7 @@ def test_an_rl_step_trains_the_mtp_layer_on_its_tokens_and_leaves_the_policy_gra
             mask[0, at + a:at + a + n] = True
         at += len(seq)
     trunk_hidden = ref(ids, position_ids=pos, return_hidden="trunk")
-    mtp.mtp_loss(ref, trunk_hidden, ids, mask, pos, detach_trunk=True, scale=0.2).backward()
+    mtp.mtp_loss(ref, trunk_hidden, ids, mask, pos, detach_trunk=True, scale=0.2, temperature=0.7).backward()  # (rollout)
     mtp_names = [n for n in grads if n.startswith("mtp.") and grads[n] is not None]
     assert mtp_names and any(grads[n].abs().max() > 0 for n in mtp_names)
     for n in mtp_names:
