@@ -146,7 +146,8 @@ def arch_of(shape, layers, quick):
     if shape == "wide":
         return GLMConfig(**WIDE, pad_token_id=0, eos_token_id=[1])
     hf = dict(config.PUBLISHED["GLM-4.7-Flash"], num_hidden_layers=layers, **(FLASH_QUICK if quick else {}))
-    return GLMConfig.from_hf(hf)  # (its first layer dense, as first_k_dense_replace 1 says)
+    # (its first layer dense, as first_k_dense_replace 1 says; no MTP layer: transformers' model has none to compare)
+    return GLMConfig.from_hf(hf | {"num_nextn_predict_layers": 0})
 
 
 def hf_class(arch):
