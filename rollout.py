@@ -458,7 +458,9 @@ class Generator:
         }
         if not issubclass(self.env_cls, SingleTurn):  # (the reward hook has no close: single-turn rows stay as is)
             metrics["rollout/env_close_failures"] = self.close_failures  # counted apart: they changed no trajectory
-        return metrics | speculation_metrics(self.engine, self.spec_seen)
+        if getattr(self.engine, "stats", {}).get("spec_calls"):  # rollout.speculative_tokens: this file's end
+            metrics |= speculation_metrics(self.engine, self.spec_seen)
+        return metrics
 
     def _dump(self, episodes):
         """A sampled fraction of the batch's trajectories (the same ones on a rerun: the draws are seeded by the
