@@ -149,7 +149,9 @@ def play(engine, eps, env_cls, tokenizer, sampling, limits, seed, *, chat_templa
 def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, limits: env.Limits, seed, *,
                      chat_template=True, stopping=lambda: False):
     """The default path: every trajectory is its prompt and one sampled response. eps: Episodes (the trajectory
-    record, machinery/env.py) of the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
+    record, machinery/env.py: what is set here, prompt and response token ids, the response's logprobs, spans
+    [(0, its length)], versions (oldest, newest), routes (MoE), reward, finish "stop" or "length", or failure: why) of
+    the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
     One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]; an aborted one again
     with seed + 7: env.generate), and the responses that finish together (one engine iteration) are graded at once,
     each hook.reward_fn(its text, the example) on env.py's pool of threads, with a deadline from when it starts
