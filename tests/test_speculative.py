@@ -336,6 +336,21 @@ def test_the_mtp_drafter_gives_the_plain_engines_tokens(kind, k):
         assert len(engine.pool.free) == engine.pool.num_blocks
 
 
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_a_bf16_generator_speculates_the_plain_engines_tokens(kind):
+    """The GPU's dtype: the generator's weights in bf16 (model.cast_). The tokens and finish reasons are the plain bf16
+    engine's; the logprobs agree to bf16's rounding across batch shapes (the verify forward runs B (k + 1) rows)."""
+    model = MODELS[kind]().cast_(torch.bfloat16)
+    for sampling, max_batch in zip(SAMPLINGS, (1, 3, 8)):
+        want = plain_run(model, sampling)
+        got = TorchEngine(model, max_batch=max_batch, speculative=Speculative(MTPDrafter(), 2)).generate(PROMPTS, sampling,
+                                                                                                       seed=3)
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+        for a, b in zip(got, want):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=3e-2)
+
+
 def mtp_stores(engine, blocks, n):
     """The MTP layer's stores in the pool (keys, values or MLA latent, DSA indexer keys) at positions 0..n-1 of blocks."""
     pool, L = engine.pool, engine.model.cfg.num_layers

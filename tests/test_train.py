@@ -205,6 +205,29 @@ def test_an_rl_step_trains_the_mtp_layer_on_its_tokens_and_leaves_the_policy_gra
         torch.testing.assert_close(grads[n], ref.get_parameter(n).grad, rtol=1e-4, atol=1e-7)
 
 
+def test_an_rl_step_with_an_mtp_layer_under_bf16_autocast(rollouts, monkeypatch):
+    """The GPU's dtypes (fp32 masters under bf16 autocast): the MTP loss is finite and trains the MTP layer, and every
+    other weight's gradient is the step's without it, to bf16's rounding (the trunk's last block runs every position)."""
+    _, _, prompts, comps = rollouts
+    base = tiny_model()
+    model = GLM(GLMConfig(**{**base.cfg.__dict__, "mtp_layers": 1}))
+    model.load_state_dict(base.state_dict(), strict=False)
+    batch = make_batch(prompts, comps, [(0, 0)] * len(comps))
+    for module in (train, variants):
+        monkeypatch.setattr(module, "autocast", lambda device: torch.autocast("cpu", dtype=torch.bfloat16))
+    grads = {}
+    for scale in (0.2, 0.0):
+        learner = copy.deepcopy(model)
+        cfg, opt, guard = rl_setup(learner, **{"model.mtp_loss_scale": scale, "optim.grad_clip": 1e9})
+        m = train.rl_step(cfg, learner, None, opt, guard, batch, version=0)
+        assert m["train/skipped"] == 0.0 and math.isfinite(m["train/loss"])
+        grads[scale] = {n: p.grad for n, p in learner.named_parameters() if p.grad is not None}
+    assert 0 < m["train/grad_norm"] and math.isfinite(grads[0.2]["mtp.3.eh_proj.weight"].norm())
+    assert grads[0.2]["mtp.3.eh_proj.weight"].abs().max() > 0 and "mtp.3.eh_proj.weight" not in grads[0.0]
+    for n, g in grads[0.0].items():
+        assert (grads[0.2][n] - g).norm() <= 2e-2 * g.norm() + 1e-8, n
+
+
 def test_a_non_finite_step_is_skipped_and_changes_nothing(rollouts):
     model, _, prompts, comps = rollouts
     learner = copy.deepcopy(model)
