@@ -37,11 +37,8 @@ but finite number, never inf. Whole samples older than max_staleness versions ar
 this (`fresh_mask`, a guard: the generator's gate already keeps them fresh), and groups whose rewards
 all agree have A = 0 and teach nothing (`informative`, dynamic sampling).
 
-On-policy distillation (`distill_advantages`) swaps the one-number-per-response advantage for a dense one: a
-teacher scores every token the policy sampled, and each token's advantage is coef * (log pi_teacher - log pi_prox)
-(the per-token reverse KL to the teacher, negated; pi_prox: pi_theta's value, detached), optionally plus the
-outcome advantage above. It goes through the same clipped surrogate and the same off-policy corrections, so
-asynchrony stays corrected.
+On-policy distillation (`distill_advantages`, at the end of the file) swaps the one-number-per-response
+advantage for a teacher's per-token one, through the same surrogate and corrections.
 
 Shapes: B sequences (one per row of a [B, T] tensor, right padded: not train.py's packed rows), T tokens; `mask` is
 1 on response tokens.
@@ -114,38 +111,6 @@ def fresh_mask(sample_versions, current_version, max_staleness):
 
 
 # -----------------------------------------------------------------------------
-# Per-token quantities computed from logits (the caller runs the model)
-
-
-def token_logprobs(logits, target_ids, entropy=False):
-    """[..., V] logits, [...] ids -> [...] log p(target), in float32 whatever the logits' dtype.
-    bf16 log-probs are too coarse for ratios near 1. log_softmax subtracts the max before the lse, so
-    large logits keep their precision (gather(logits) - logsumexp(logits) would not). With a 150k
-    vocabulary the caller should chunk over tokens: each chunk costs one float32 [chunk, V] tensor.
-    entropy=True: also the entropy H = -sum_v p log p [...], from the same log_softmax (one pass over V);
-    log p stays finite where p underflows to 0, so H and its gradient do too."""
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    target = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    return (target, -(logp.exp() * logp).sum(-1)) if entropy else target
-
-
-def kl_penalty(logp, ref_logp, kind="k3"):
-    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3).
-    k1 is unbiased but can go negative; k2 is biased, low variance; k3 ("low_var_kl") is unbiased,
-    always >= 0. k3 exponentiates a log-ratio, so it is clamped twice (as verl does) to survive the
-    rare token where the two policies disagree wildly."""
-    log_ratio = logp - ref_logp
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio.square()
-    if kind in ("k3", "low_var_kl"):
-        x = (-log_ratio).clamp(-20.0, 20.0)  # log(pi_ref / pi_theta)
-        return (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown kl estimator {kind!r}; expected one of {KL_ESTIMATORS}")
-
-
-# -----------------------------------------------------------------------------
 # Aggregation: how per-token terms become one number. This choice changes what is optimised.
 #   seq-mean-token-mean  every sequence weighs the same, long ones are diluted per token (GLM-5)
 #   token-mean           every token weighs the same, long responses dominate (DAPO)
@@ -204,21 +169,7 @@ def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=Non
     micro-batches); every other metric is a plain mean over this call's response tokens
     ("mismatch_k3" is the k3 estimate of KL(pi_gen || pi_prox), the train/inference gap;
     "kl" is the chosen estimator vs pi_ref)."""
-    if cfg.agg not in AGG_MODES:
-        raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGG_MODES}")
-    if cfg.surrogate not in SURROGATES:
-        raise ValueError(f"unknown surrogate {cfg.surrogate!r}; expected one of {SURROGATES}")
-    if cfg.surrogate == "dis" and (cfg.icepop_beta is not None or cfg.tis_cap is not None):
-        raise ValueError("surrogate dis is its own off-policy correction: it needs icepop_beta and tis_cap null")
-    if cfg.dual_clip is not None and cfg.dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {cfg.dual_clip}")
-    if cfg.kl_coef and ref_logp is None:
-        raise ValueError("kl_coef > 0 needs ref_logp")
-    if cfg.entropy_coef and entropy is None:
-        raise ValueError("entropy_coef > 0 needs entropy")
-    if logp.shape != gen_logp.shape or logp.shape != mask.shape:
-        shapes = [tuple(x.shape) for x in (logp, gen_logp, mask)]
-        raise ValueError(f"logp, gen_logp and mask must have one [B, T] shape, got {shapes}")
+    check_loss_args(cfg, logp, gen_logp, mask, ref_logp, entropy)  # one-line errors for a bad config or shape
 
     # Padding may hold anything (garbage, -inf). Zeroing it before any exp keeps every intermediate
     # finite, so masked positions get exactly zero gradient instead of 0 * inf = NaN.
@@ -288,6 +239,59 @@ def policy_loss(logp, gen_logp, advantages, mask, cfg: GRPOConfig, prox_logp=Non
         if entropy is not None:
             metrics["entropy"] = token_mean(entropy)
     return loss, metrics
+
+
+def check_loss_args(cfg: GRPOConfig, logp, gen_logp, mask, ref_logp, entropy):
+    """policy_loss's arguments, checked before any arithmetic (config.py checks the config's ranges at start-up;
+    this catches a direct caller's mistakes)."""
+    if cfg.agg not in AGG_MODES:
+        raise ValueError(f"unknown agg {cfg.agg!r}; expected one of {AGG_MODES}")
+    if cfg.surrogate not in SURROGATES:
+        raise ValueError(f"unknown surrogate {cfg.surrogate!r}; expected one of {SURROGATES}")
+    if cfg.surrogate == "dis" and (cfg.icepop_beta is not None or cfg.tis_cap is not None):
+        raise ValueError("surrogate dis is its own off-policy correction: it needs icepop_beta and tis_cap null")
+    if cfg.dual_clip is not None and cfg.dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {cfg.dual_clip}")
+    if cfg.kl_coef and ref_logp is None:
+        raise ValueError("kl_coef > 0 needs ref_logp")
+    if cfg.entropy_coef and entropy is None:
+        raise ValueError("entropy_coef > 0 needs entropy")
+    if logp.shape != gen_logp.shape or logp.shape != mask.shape:
+        shapes = [tuple(x.shape) for x in (logp, gen_logp, mask)]
+        raise ValueError(f"logp, gen_logp and mask must have one [B, T] shape, got {shapes}")
+
+
+# -----------------------------------------------------------------------------
+# Per-token quantities computed from logits (the caller runs the model): train.packed_forward's log-probs,
+# the KL estimators of policy_loss
+
+
+def token_logprobs(logits, target_ids, entropy=False):
+    """[..., V] logits, [...] ids -> [...] log p(target), in float32 whatever the logits' dtype.
+    bf16 log-probs are too coarse for ratios near 1. log_softmax subtracts the max before the lse, so
+    large logits keep their precision (gather(logits) - logsumexp(logits) would not). With a 150k
+    vocabulary the caller should chunk over tokens: each chunk costs one float32 [chunk, V] tensor.
+    entropy=True: also the entropy H = -sum_v p log p [...], from the same log_softmax (one pass over V);
+    log p stays finite where p underflows to 0, so H and its gradient do too."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    target = logp.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    return (target, -(logp.exp() * logp).sum(-1)) if entropy else target
+
+
+def kl_penalty(logp, ref_logp, kind="k3"):
+    """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (Schulman's k1/k2/k3).
+    k1 is unbiased but can go negative; k2 is biased, low variance; k3 ("low_var_kl") is unbiased,
+    always >= 0. k3 exponentiates a log-ratio, so it is clamped twice (as verl does) to survive the
+    rare token where the two policies disagree wildly."""
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    if kind in ("k3", "low_var_kl"):
+        x = (-log_ratio).clamp(-20.0, 20.0)  # log(pi_ref / pi_theta)
+        return (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown kl estimator {kind!r}; expected one of {KL_ESTIMATORS}")
 
 
 # ============================================================================= beyond one default RL step

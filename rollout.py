@@ -1,55 +1,44 @@
 """
 RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner trains.
-This file's first part is all that one default RL step runs here; below "beyond one RL step" come eval, the
-supervised warm-up's rows, and what agents, failures and dynamic sampling add.
+One default RL step is told down to "beyond one RL step"; after that line come eval, the warm-up's rows, agents,
+failures and dynamic sampling, and the few helpers the step calls by name there (Rounds, batch_groups,
+single_turn, which in one default round keep every group as played).
 
-One batch, the default way (single turn: data.env unset). Draw this rank's share of rollout.prompts_per_step
-prompts; sample rollout.n completions of each in one engine call (machinery/engine.py); grade each as it
-finishes with the reward hook,
+One batch, the default way (data.env unset): draw this rank's share of rollout.prompts_per_step prompts, sample
+rollout.n completions of each in one engine call, and grade each completion as it finishes with the reward hook
 
     reward = data.reward(response_text, example)       # default data.math_reward; any "module:function"
 
-(data.reward is a config key naming the function, loaded and signature-checked at start-up by data.load_reward;
-response_text is the completion decoded without
-special tokens, example the prompt's whole JSONL object, every field kept, with "prompt" and "label"), on a
-worker thread with a deadline, rollout.env_timeout_s, that the generator waits for: a reward that raises, hangs
-or is not a finite number within env.REWARD_LIMIT fails its trajectory, never the run. The groups go to the
-learner as a RolloutBatch.
-The calls: the learner's get (then, after its step, publish and open); the thread's _run -> _make_batch -> _rounds
-(one round by default) -> _generate_groups -> play -> play_single_turn, then _sample for each trajectory.
+(response_text: the completion decoded without special tokens; example: the prompt's whole JSONL object, every
+field kept; startup.start loads data.reward and checks its signature: data.load_reward). It runs on a worker
+thread with a deadline, rollout.env_timeout_s: a reward that raises, hangs or is not a finite number fails its
+trajectory, never the run. The calls: Generator._run -> _make_batch -> _rounds (one round by default) ->
+_generate_groups -> play -> play_single_turn, then _sample for each trajectory.
 
-    prompts --> [Generator thread] --n completions per prompt, graded--> groups --> RolloutBatch
-                       ^                                                                  |
-                       |  publish(weights, version)               queue (bounded)         v
-                       +---------------------------------------------------------- learner
+    prompts --> [Generator thread: n completions per prompt, graded] --> RolloutBatch --> queue --> learner
+                        ^                                                                            |
+                        +-------------------------- publish(weights, version) -----------------------+
 
-Staleness, told in full here (other files state the bound and point here). One name per counter:
-    version      the learner's weight version: its RL steps done (a skipped step too); it trains batch i at
-                 step i (RolloutBatch.index == version, asserted), and publish(weights, version) gives the
-                 engine those weights (the engine's own version follows)
-    opened       Generator.opened, the gate: the version of the learner's last open(), which it calls after
-                 the step's publish, eval and checkpoint
-    next_batch   Generator.next_batch, the batch the thread makes next
-The thread starts batch next_batch only once opened >= next_batch - max_staleness, and versions only grow,
-so every token of batch i was sampled by weights at most max_staleness versions older than the ones that
-train on it. max_staleness 0 is synchronous RL; 1 (the recipe) generates batch i+1 while the learner trains
-on batch i, one step off-policy:
+Staleness, told once here, with one name per counter:
+    version     the learner's RL steps done (a skipped step too) = the weight version it holds; it trains batch i
+                at step i (RolloutBatch.index == version, asserted); publish(weights, version) gives them to the engine
+    opened      Generator.opened, the gate: the version of the learner's last open(), called after the step's
+                publish, eval and checkpoint
+    next_batch  Generator.next_batch, the batch the thread makes next
+The thread starts batch next_batch only once opened >= next_batch - max_staleness, and publish(v) first waits until
+next_batch >= v + max_staleness, so no batch is in flight while the engine copies the new weights in. Batch i is
+thus sampled wholly by version max(0, i - max_staleness): 0 is synchronous RL; 1 (the recipe) makes batch i+1 while
+the learner trains on batch i, one step off-policy:
 
     learner    | get b0 | train b0 | publish 1, open 1 | train b1 | publish 2, open 2 | train b2 | ...
     generator  | b0 (v0)| b1 (v0)                      | b2 (v1)                      | b3 (v2)  | ...
-                 (publish v waits for batch v: next_batch >= v + max_staleness; the learner's next step needs it anyway)
 
-When do new weights reach the engine? By default between batches only: publish(v) waits until the thread has
-finished batch v + max_staleness - 1 (next_batch >= v + max_staleness); the thread then waits at the gate for
-open(v), so no batch is in flight while engine.update_weights copies the new tensors in place. Batch i is thus
-sampled wholly by version max(0, i - max_staleness), two runs with one seed are identical and a resumed run
-continues exactly. With `partial_rollout` (as in slime and AReaL) they land at the next decode step of the batch
-in flight: generation continues under the new weights, keeping the KV cache computed under the old ones (or
-prefilling it again: rollout.update_mode), and each sample records the (oldest, newest) versions it spans,
-judged on its oldest; which token saw which version then depends on timing. The learner checks the same bound
-again per sample (grpo.fresh_mask in train.rl_step): a guard, which never fires while this gate holds; it is
-there so that a broken gate (an engine or generator of your own) shows up as staleness/dropped instead of as
-silent off-policy training.
+So two runs with one seed are identical and a resumed run continues exactly. With rollout.partial_rollout (as in
+slime and AReaL) the weights land at once, between two decode steps of the batch in flight (its KV kept, or
+prefilled again: rollout.update_mode); each sample records the (oldest, newest) versions it spans and is judged on
+its oldest. The learner checks the bound again per sample (grpo.fresh_mask in train.rl_step): a guard that never
+fires while this gate holds, there so that a broken gate shows as staleness/dropped, not as silent off-policy
+training.
 """
 import contextlib
 import json
@@ -87,18 +76,11 @@ class Sample:
     versions: tuple[int, int]  # (oldest, newest) weight version; staleness is judged on the oldest
     finish_reason: str
     example: dict  # the dataset entry (prompt, label, ...)
-    masked: bool = False  # dropped from the loss (truncated: mask, or a void turn); its reward still counts in its group
-    # (start, length) of each model turn in response_ids; None: all of them are the model's (one turn). The
-    # learner scores only these, so env tokens never reach lm_head or the loss; gen_logprobs are theirs.
-    spans: list | None = None
+    masked: bool = False  # dropped from the loss (rollout.truncated: mask, or a void turn); its reward still counts
+    spans: list | None = None  # agents: (start, length) of each model turn in response_ids; None: one turn, all scored
     turns: int = 1
-    # MoE: the experts the generator's forward chose for every position fed (prompt, model and env tokens; not the
-    # last, which no forward read), uint8/int16 [positions, n_moe, k] (engine.Completion.routes); the learner replays
-    # them (model.routing_replay). None: dense
-    routes: object = None
-    # on-policy distillation (distill.teacher): the teacher's logprob of each model token, as gen_logprobs' (set by
-    # machinery/teacher.py when the batch is made). None: no teacher
-    teacher_logprobs: list[float] | None = None
+    routes: object = None  # MoE: the generator's experts [positions fed, n_moe, k] (engine.Completion.routes); None: dense
+    teacher_logprobs: list[float] | None = None  # distillation: the teacher's logprob of each model token
 
     def row(self):
         """(prompt + response ids, the (start, length) spans the learner scores: the model's tokens)."""
@@ -114,20 +96,6 @@ class RolloutBatch:
     index: int  # batch number: the learner trains batch i at step i
     stream_state: dict  # PromptStream state after this batch's prompts were drawn (for resume)
     metrics: dict = field(default_factory=dict)
-
-
-@dataclass
-class Rounds:
-    """What a batch's rounds of prompts gave (Generator._rounds): groups of Samples kept for training, uniform ones set
-    aside (dynamic sampling), every Sample generated, every trajectory played (failed ones too, for the failure
-    report, the metrics and the dump), and counts."""
-    kept: list = field(default_factory=list)
-    spare: list = field(default_factory=list)
-    generated: list = field(default_factory=list)
-    episodes: list = field(default_factory=list)
-    rounds: int = 0
-    cancelled: int = 0
-    failed_groups: int = 0
 
 
 # ----------------------------------------------------------------------------- one turn, graded: the default trajectory
@@ -148,15 +116,15 @@ def play(engine, eps, env_cls, tokenizer, sampling, limits, seed, *, chat_templa
 
 def play_single_turn(engine, eps, hook, tokenizer, sampling: SamplingParams, limits: env.Limits, seed, *,
                      chat_template=True, stopping=lambda: False):
-    """The default path: every trajectory is its prompt and one sampled response. eps: Episodes (the trajectory
-    record, machinery/env.py: what is set here, prompt and response token ids, the response's logprobs, spans
-    [(0, its length)], versions (oldest, newest), routes (MoE), reward, finish "stop" or "length", or failure: why) of
-    the examples, a prompt's n samples side by side; hook: single_turn(data.reward).
-    One engine call samples them all (request i with seed request_seeds(seed, len(eps))[i]; an aborted one again
-    with seed + 7: env.generate), and the responses that finish together (one engine iteration) are graded at once,
-    each hook.reward_fn(its text, the example) on env.py's pool of threads, with a deadline from when it starts
-    (limits.timeout_s, rollout.env_timeout_s), and a reward that raises, misses it or is not a finite number
-    fails the trajectory (Episode.failure) instead of the run (env.guarded). Yields (i, episode) as each ends."""
+    """The default path: each Episode (machinery/env.py's trajectory record; eps: every prompt's n of a round, a
+    prompt's side by side: 32 x 8 by default) is its prompt and one sampled response. One engine call samples them
+    all (env.generate: request i seeded by request_seeds(seed, len(eps))[i]). The responses that finish in one engine
+    iteration are graded at once (env.guarded), each hook.reward_fn(its text, the example) on one of a pool's 64
+    threads, with a deadline from its start (limits.timeout_s: rollout.env_timeout_s). A reward that raises, misses
+    the deadline (its thread is written off; over 256 such still running stop the run) or is not a finite number within
+    +-env.REWARD_LIMIT (env.reward_value) fails its trajectory (ep.failure), not the run. Sets each episode's prompt,
+    response, logprobs, spans, versions, routes, reward and finish ("stop", "length"); yields (i, episode) as each
+    ends."""
     what = f"{hook.__name__}.step"
     for ep in eps:
         ep.prompt = render_prompt(tokenizer, ep.example["prompt"], chat_template)
@@ -185,50 +153,21 @@ def _reward(fn, text, example):
     return env.reward_value(fn(text, example))  # a float, or ValueError: not a finite number within +-REWARD_LIMIT
 
 
-def single_turn(reward_fn):
-    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
-    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
-
-
-class SingleTurn:
-    """The reward hook as an env class: what stands for data.env when it is not set (single_turn binds
-    data.reward). play_single_turn calls its reward_fn; machinery/env.py's episode loop can play it too (one
-    turn, graded, done), which tests use to compare the two paths."""
-    tools: list = []
-    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
-    one_turn = True  # nothing follows the first turn: its KV is never parked
-    reward_fn = staticmethod(math_reward)
-
-    def __init__(self, example):
-        self.example = example
-
-    def reset(self):
-        return self.example["prompt"]  # a string or messages
-
-    def step(self, text):
-        return [], self.reward_fn(text, self.example), True
-
-
 # ----------------------------------------------------------------------------- the generator thread
 
 
 class Generator:
-    """Runs the generation loop in a background thread and hands RolloutBatches to the learner, behind the
-    staleness gate of this file's docstring. Before start() the engine must hold the learner's weights (the first
-    publish); the gate starts open at first_index, the learner's version (on resume: the checkpoint's), and `ready`
-    holds the batches a checkpoint kept (sampled before it was taken). Do not evaluate on the engine while stop()
-    runs: it aborts in-flight work."""
+    """The generation loop in a background thread, handing RolloutBatches to the learner behind the staleness gate
+    (this file's docstring). Before start() the engine must hold the learner's weights (the first publish). Do not
+    evaluate on the engine while stop() runs: it aborts in-flight work."""
 
     def __init__(self, engine, stream, tokenizer, r, sampling: SamplingParams, *, env_cls, seed: int = 0,
                  first_index: int = 0, end: int | None = None, rank: int = 0, world: int = 1, run_dir: str | None = None,
                  ready: list = (), teacher=None):
-        """r: the config's rollout section (config.RolloutConfig: prompts_per_step, n, max_staleness, dynamic
-        sampling, truncated, the episodes' limits, ...); sampling: its SamplingParams with the turn's stop ids;
-        env_cls: data.env's class, or single_turn(data.reward); run_dir: where env failures' tracebacks and the
-        rollout dump go; first_index: the learner's version (on resume: batches before it were trained), end: the
-        batch number to stop at (train.rl_steps; None: run until stop()); ready: batches a checkpoint kept; rank and
-        world: this process's share (prompts_per_step / world groups; the caller's stream holds examples rank::world); teacher:
-        on-policy distillation's machinery/teacher.Teacher, which scores each batch before the learner gets it."""
+        """r: config.RolloutConfig; sampling: its SamplingParams; env_cls: data.env's class, or single_turn(data.reward);
+        first_index: the learner's version (on resume: the checkpoint's); end: the batch to stop at (None: until stop());
+        ready: batches a checkpoint kept; rank, world: this process's share (its stream holds examples rank::world);
+        run_dir: where failures' tracebacks and the rollout dump go; teacher: distillation's machinery/teacher.Teacher."""
         self.engine, self.stream, self.tokenizer = engine, stream, tokenizer
         self.prompts_per_step, self.n, self.sampling = r.prompts_per_step // world, r.n, sampling
         self.max_staleness, self.oversample, self.teacher = r.max_staleness, r.oversample, teacher
@@ -517,6 +456,44 @@ class Generator:
 #     ids its messages add to the conversation (rendered once, never re-tokenized; machinery/env.py): context for
 #     the next turn, never scored: Sample.spans marks the model's turns, the only tokens the learner scores. A
 #     trajectory ended by a void turn (machinery/env.py) is masked like a cut one under `mask`.
+
+
+@dataclass
+class Rounds:
+    """What a batch's rounds of prompts gave (Generator._rounds): groups of Samples kept for training, uniform ones set
+    aside (dynamic sampling), every Sample generated, every trajectory played (failed ones too, for the failure
+    report, the metrics and the dump), and counts."""
+    kept: list = field(default_factory=list)
+    spare: list = field(default_factory=list)
+    generated: list = field(default_factory=list)
+    episodes: list = field(default_factory=list)
+    rounds: int = 0
+    cancelled: int = 0
+    failed_groups: int = 0
+
+
+def single_turn(reward_fn):
+    """SingleTurn bound to a reward function, and named after it (warnings say "math_reward.step raised ...")."""
+    return type(getattr(reward_fn, "__name__", "reward"), (SingleTurn,), {"reward_fn": staticmethod(reward_fn)})
+
+
+class SingleTurn:
+    """The reward hook as an env class: what stands for data.env when it is not set (single_turn binds
+    data.reward). play_single_turn calls its reward_fn; machinery/env.py's episode loop can play it too (one
+    turn, graded, done), which tests use to compare the two paths."""
+    tools: list = []
+    trusted = True  # our own __init__ and reset run inline; step (the reward hook) runs guarded
+    one_turn = True  # nothing follows the first turn: its KV is never parked
+    reward_fn = staticmethod(math_reward)
+
+    def __init__(self, example):
+        self.example = example
+
+    def reset(self):
+        return self.example["prompt"]  # a string or messages
+
+    def step(self, text):
+        return [], self.reward_fn(text, self.example), True
 
 
 def batch_groups(r: Rounds, want: int):

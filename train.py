@@ -5,7 +5,8 @@ loop. rollout.py makes the batches; machinery/ holds the plumbing, reached throu
 publish sends), checkpoint (saves, resume, the KL reference), variants (what a variant adds to a step: the KL
 reference's log-probs, distillation's advantages, routing replay's diagnostics, the MTP layers' loss, a dummy
 micro-batch), colocate (one GPU for both halves), lora (adapters) and teacher (distillation's frozen teacher). On
-the default run (one process) they are no-ops, but for lora's choice of what RL trains and at which lr.
+the default run (one process) variants, colocate, lora and teacher change nothing (lora names what RL trains and
+its lr: every weight but the indexer, at optim.lr) and parallel's collectives are the identity.
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k

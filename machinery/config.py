@@ -26,7 +26,7 @@ from machinery.memory import GiB, memory_plan
 from model import GLMConfig
 
 H100_BYTES = 80 * 10**9  # what --dry-run plans for: 80 GB = 74.5 GiB (an H100 SXM reports 79.6 GiB: the rest is margin)
-TRUNCATED = ("keep", "zero", "mask")  # what rollout.truncated may say (rollout.py's docstring)
+TRUNCATED = ("keep", "zero", "mask")  # what rollout.truncated may say (rollout.py, "beyond one RL step")
 LOGIT_CHUNK = 1024  # response tokens per lm_head call: a [1024, 151552] fp32 block is 620 MB
 # A micro-batch whose fp32 logits [response tokens, vocab] take at most this keeps them for backward instead
 # of recomputing lm_head there (at 9B: at most 110 response tokens; small models: every micro-batch)

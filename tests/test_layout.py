@@ -10,6 +10,9 @@ The repository's layout, checked: the things README.md and docs/design.md promis
    layer, and the project's module graph must have no cycle.
 3. Every backticked code name in README.md and docs/design.md still exists: file paths, config keys and Python
    names. The docs are the first thing a reader trusts, and a rename or a move silently breaks them.
+4. README.md's line ranges (`file.py:a-b`, the route of one RL step) still hold what their row names: each named
+   function or class is defined inside them, and each range starts at a definition, a docstring or a section
+   comment and ends where a block does.
 
 Everything is read with `ast` and plain text parsing; nothing is imported except machinery.config (for its
 config_keys()). The helpers are plain functions, so the checkers are themselves tested here against small
@@ -704,3 +707,52 @@ def test_backticked_names_in_the_docs_exist():
         problems.insert(0, f"machinery.config does not import ({error}): config keys were not checked")
     assert not problems, f"{len(problems)} backticked names in the docs that do not exist (file:line):\n  " + \
         "\n  ".join(problems)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# 4. README.md's line ranges
+
+RANGE = re.compile(r"((?:[\w-]+/)*[\w-]+\.py):(\d+)-(\d+)((?:, \d+-\d+)*)")
+
+
+def range_problems(text, read):
+    """What is wrong with the line ranges of each table row of `text` (markdown) that has any: a named function or
+    class (a backticked name in the row's first cell; its last dotted part) defined in none of the row's ranges, a
+    range that does not start at a def, class, decorator, docstring or comment, or one that does not end at a
+    block's end (a non-blank line followed by a blank one or the file's end). read(path) -> the file's lines."""
+    problems = []
+    for row in (line for line in text.splitlines() if line.startswith("|") and RANGE.search(line)):
+        first = row.split("|")[1]
+        names = [n.split(".")[-1] for n in re.findall(r"`([\w.]+)`", first) if not n.endswith(".py")]
+        spans = []
+        for m in RANGE.finditer(row):
+            path, parts = m.group(1), [m.group(2) + "-" + m.group(3)] + re.findall(r"\d+-\d+", m.group(4))
+            lines = read(path)
+            for a, b in (map(int, part.split("-")) for part in parts):
+                spans.append((path, a, b, lines))
+                head = lines[a - 1].strip() if 0 < a <= len(lines) else ""
+                if not head.startswith(("def ", "class ", "@", '"""', "#")):
+                    problems.append(f"{path}:{a}-{b} starts at {head[:40]!r}, not a definition or a section")
+                if not (0 < b <= len(lines) and lines[b - 1].strip() and (b == len(lines) or not lines[b].strip())):
+                    problems.append(f"{path}:{a}-{b} does not end where a block does")
+        for name in names:
+            defined = re.compile(rf"^\s*(?:async\s+)?(?:def|class)\s+{name}\b")
+            if not any(defined.match(lines[k]) for _, a, b, lines in spans for k in range(a - 1, min(b, len(lines)))):
+                problems.append(f"`{name}` is not defined in " + ", ".join(f"{p}:{a}-{b}" for p, a, b, _ in spans))
+    return problems
+
+
+def test_range_checker_flags_planted_drift():
+    code = ["def f():", "    return 1", "", "", "def g():", "    return 2", ""]
+    read = lambda path: code
+    assert range_problems("| `f`, `g` | x | m.py:1-6 |", read) == []
+    assert range_problems("| `f` | x | m.py:5-6 |", read) == ["`f` is not defined in m.py:5-6"]
+    assert range_problems("| `g` | x | m.py:2-6 |", read) == ["m.py:2-6 starts at 'return 1', not a definition or a section"]
+    assert range_problems("| `f` | x | m.py:1-1 |", read) == ["m.py:1-1 does not end where a block does"]
+    assert range_problems("| `f`, `g` | x | m.py:5-6, 1-2 |", read) == []
+
+
+def test_readme_line_ranges_hold_what_they_name():
+    problems = range_problems((ROOT / "README.md").read_text(), lambda path: (ROOT / path).read_text().splitlines())
+    assert not problems, "README.md's line ranges have drifted (update them):\n  " + "\n  ".join(problems)
+
