@@ -2,11 +2,9 @@
 GRPO for GLM models the way GLM-5 trains them. This file is the algorithm: the stages, the RL step and the
 loop. rollout.py makes the batches; machinery/ holds the plumbing, reached through a few calls: startup.start
 (config, data, weights, engine), parallel (ranks, FSDP2/DDP, micro-batches, the optimizer step, the weights a
-publish sends), checkpoint (saves, resume, the KL reference), variants (what a variant adds to a step: the KL
-reference's log-probs, distillation's advantages, routing replay's diagnostics, the MTP layers' loss, a dummy
-micro-batch), colocate (one GPU for both halves), lora (adapters) and teacher (distillation's frozen teacher). On
-the default run (one process) variants, colocate, lora and teacher change nothing (lora names what RL trains and
-its lr: every weight but the indexer, at optim.lr) and parallel's collectives are the identity.
+publish sends), checkpoint (saves, resume, the KL reference), variants (what a variant adds to a step), colocate
+(one GPU for both halves), lora (adapters), teacher (distillation). In the default run (one process) parallel's
+collectives are the identity, and variants, colocate, lora and teacher change nothing.
 
     python train.py                                      # configs/tiny_cpu.yaml: a tiny DSA model, CPU, minutes
     python train.py --config configs/glm9b_math.yaml     # GLM-Z1-9B-0414 on dapo-math-17k
@@ -228,13 +226,13 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
 
     # Token bookkeeping. The N scored tokens of the batch (each sample's model tokens, sample after sample, in
     # samples' order) are flat [N] tensors: gen_logp [N] = log pi_gen, the generator's. A micro-batch mb packs
-    # whole samples into one row (parallel.MicroBatch): mb.samples [B] indexes samples (and adv), mb.tokens [N_mb]
-    # picks its scored tokens out of the flat [N] (packed_forward returns them in that same order), mb.pad lays
-    # [N_mb] out as [B, T] for the loss and mb.mask [B, T] is True at real tokens. E.g. samples of 3, 1 and 2 scored
-    # tokens: gen_logp = [a0 a1 a2 b0 c0 c1]; a micro-batch of samples 0 and 2 has mb.samples [0, 2], mb.tokens
-    # [0, 1, 2, 4, 5], mb.mask [[1, 1, 1], [1, 1, 0]], and mb.pad(gen_logp[mb.tokens]) = [[a0, a1, a2], [c0, c1, 0]].
-    # mb None: a dummy micro-batch that keeps this rank in step with a busier one (the same collectives on every
-    # rank), contributing nothing.
+    # whole samples into one row (parallel.MicroBatch): mb.samples [B] indexes samples and adv (packing puts the
+    # longest first: not in order), mb.tokens [N_mb] picks its scored tokens out of the flat [N] (packed_forward
+    # returns them in that same order), mb.pad lays [N_mb] out as [B, T] for the loss, mb.mask [B, T] is True at
+    # real tokens. E.g. samples of 3, 1 and 2 scored tokens: gen_logp = [a0 a1 a2 b0 c0 c1]; a micro-batch of
+    # samples 0 and 2 has mb.samples [0, 2], mb.tokens [0, 1, 2, 4, 5], mb.mask [[1, 1, 1], [1, 1, 0]], and
+    # mb.pad(gen_logp[mb.tokens]) = [[a0, a1, a2], [c0, c1, 0]]. mb None: a dummy micro-batch that keeps this rank
+    # in step with a busier one (the same collectives on every rank), contributing nothing.
     gen_logp = torch.tensor([x for s in samples for x in s.gen_logprobs], device=device)  # [N]
     parts = packed_micro_batches(model, [s.row() for s in samples], cfg.optim.max_tokens_per_micro_batch, device,
                                  [s.routes for s in samples])
