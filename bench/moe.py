@@ -7,6 +7,8 @@ generation. Writes the "moe-cpu" section of docs/benchmarks.md with --write ("mo
     python bench/moe.py --part learner --shape wide      # one part, one shape
     python bench/moe.py --quick                          # seconds: tiny batches and workloads, the tiny shape
     python bench/moe.py --device cuda --shape flash      # GLM-4.7-Flash cut to 4 layers on a GPU (bench/gpu.sh part 8)
+    python bench/moe.py --device cuda --shape flash --part learner --no-cast-cache   # the learner casting the experts
+                                                         # in every forward and recompute, as before kernels/moe.CastCache
     python bench/moe.py --quick --shape tiny,flash       # both paths on a CPU, flash's widths shrunk: a smoke test
                                                          # (bench/gpu.sh --dry's part 8, tests/test_bench.py)
 
@@ -33,7 +35,9 @@ no longer than DSA's top-k (a check that they hold the same weights).
    gradients accumulated), the response tokens' log-probabilities, the same policy-gradient sum, backward, gradient
    clipping and the same AdamW (bench/learner.py's hf part). Generator log-probabilities are the model's own (one
    forward), so no token is clipped by the loss. On CUDA both sides run fp32 weights under bf16 autocast, as
-   train.py's learner does (transformers' grouped experts are not autocast: they run in the weights' fp32).
+   train.py's learner does (transformers' grouped experts are not autocast: they run in the weights' fp32); ours
+   multiplies the routed experts by bf16 copies made once per optimizer step (kernels/moe.CastCache; each row
+   counts them: 2 per MoE layer and step), or with --no-cast-cache casts them in every forward and recompute.
    Tokens/s counts prompt + response tokens; median of --repeat timed steps after a warm-up, the three
    interleaved on a CPU (drift hits them alike), one after the other on CUDA (two fp32 learners do not fit beside
    each other at flash's shape), with each side's peak memory.
@@ -69,7 +73,8 @@ from bench.learner import SHAPES as LEARNER_SHAPES  # noqa: E402
 from machinery import config, fp8  # noqa: E402
 from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from machinery.parallel import autocast  # noqa: E402
-from families.mla_moe import LATENT_TYPES, Routing  # noqa: E402
+from families.mla_moe import LATENT_TYPES, Experts, Routing  # noqa: E402
+from kernels import moe as moe_kernels  # noqa: E402
 from model import GLM, GLMConfig, hf_name  # noqa: E402
 from rollout import RolloutBatch, Sample  # noqa: E402
 import train  # noqa: E402
@@ -264,9 +269,22 @@ def hf_step(model, optimizer, samples, adv, rows, device):
     optimizer.step()
 
 
+def expert_casts(m) -> int:
+    """The copies the model's routed experts have made in their kernels/moe.CastCache so far."""
+    return sum(e.casts.casts for e in m.modules() if isinstance(e, Experts))
+
+
+def drop_expert_copies(m):
+    """Free the copies a step left in the experts' CastCache (its optimizer step drops them; a failed step does not)."""
+    for e in m.modules():
+        if isinstance(e, Experts):
+            e.casts.copies.clear()
+
+
 def learner_part(ours, hf, samples, device, args, free_ours=False):
-    """{side: (median s / step, peak bytes, bytes held before)} for rl_step with routes replayed and fresh, and
-    transformers (None where --no-hf). free_ours: drop ours (its optimizer and weights) before transformers' side."""
+    """{side: (median s / step, peak bytes, bytes held before, expert casts in a step)} for rl_step with routes
+    replayed and fresh, and transformers (None where --no-hf). free_ours: drop ours (its optimizer and weights) before
+    transformers' side."""
     cfg = config.Config()
     cfg.optim.lr = 1e-6  # (weights barely move: every step times the same model)
     cfg.optim.max_tokens_per_micro_batch = args.tokens
@@ -279,7 +297,7 @@ def learner_part(ours, hf, samples, device, args, free_ours=False):
                "fresh": RolloutBatch(samples=[dataclasses.replace(s, routes=None) for s in samples], index=0,
                                      stream_state={})}
     sides = {"replay": None, "fresh": None, "hf": None}
-    opts = {}
+    opts, casts = {}, {}
 
     def optimizer(side):
         if side not in opts:
@@ -295,8 +313,10 @@ def learner_part(ours, hf, samples, device, args, free_ours=False):
         if side == "hf":
             hf_step(hf, optimizer(side), samples, adv, args.hf_rows or len(samples), device)
         else:
+            before = expert_casts(ours)
             m = train.rl_step(cfg, ours, None, optimizer(side if side == "hf" else "ours"), None, batches[side], 0)
             assert ("routing/agree" in m) == (side == "replay"), sorted(m)
+            casts[side] = expert_casts(ours) - before  # (a step's: its optimizer step dropped the copies)
         sync(device)
         return time.perf_counter() - t0
 
@@ -312,6 +332,7 @@ def learner_part(ours, hf, samples, device, args, free_ours=False):
             log(f"learner {SIDE_NAMES[side]}: FAILED {errors[side]}")
             opts.pop("hf" if side == "hf" else "ours", None)
             (hf if side == "hf" else ours).zero_grad(set_to_none=True)
+            drop_expert_copies(ours)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -328,6 +349,7 @@ def learner_part(ours, hf, samples, device, args, free_ours=False):
             if s == "hf" and free_ours:
                 opts.pop("ours", None)
                 ours.zero_grad(set_to_none=True)
+                drop_expert_copies(ours)
                 ours.to("meta")  # (the caller keeps no other reference to its tensors)
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -342,7 +364,7 @@ def learner_part(ours, hf, samples, device, args, free_ours=False):
             if s == "fresh":  # ours done: its gradients go (its weights and AdamW state stay, unless free_ours)
                 ours.zero_grad(set_to_none=True)
     for s in names:
-        sides[s] = errors[s] if s in errors else (statistics.median(times[s]), *peaks[s])
+        sides[s] = errors[s] if s in errors else (statistics.median(times[s]), *peaks[s], casts.get(s))
     opts.clear()
     if hf is not None:
         hf.zero_grad(set_to_none=True)
@@ -361,11 +383,13 @@ def learner_rows(label, what, samples, sides):
         if isinstance(sides[side], str):
             rows.append(dict(shape=label, batch=what, side=SIDE_NAMES[side], tokens=tokens, error=sides[side]))
             continue
-        t, peak, before = sides[side]
+        t, peak, before, casts = sides[side]
         rows.append(dict(shape=label, batch=what, side=SIDE_NAMES[side], tokens=tokens, step_s=t,
-                         tokens_per_s=tokens / t, vs_hf=(hf[0] / t) if hf else None, peak=peak, before=before))
+                         tokens_per_s=tokens / t, vs_hf=(hf[0] / t) if hf else None, peak=peak, before=before,
+                         expert_casts_per_step=casts))
         log(f"learner {label}, {what}, {SIDE_NAMES[side]}: {t:.3f} s/step, {tokens / t:.0f} tokens/s"
-            + (f" ({hf[0] / t:.2f}x transformers)" if hf else "") + (f", peak {gib(peak)} GiB" if peak else ""))
+            + (f" ({hf[0] / t:.2f}x transformers)" if hf else "") + (f", peak {gib(peak)} GiB" if peak else "")
+            + (f", {casts} expert weight copies made in the step" if casts is not None else ""))
     return rows
 
 
@@ -597,6 +621,8 @@ def setting(args, device):
         s += (f" Generation on flash: {args.gen_batch} rows of {args.prompt}-token prompts, {args.new_tokens} new "
               "tokens at temperature 1 (no stop); prefill = a 1-token generate; decode = the rest.")
     if device.type == "cuda":
+        s += (" Ours multiplies the routed experts by " + ("bf16 copies made once per optimizer step (kernels/moe.CastCache)"
+              if moe_kernels.CAST_CACHE else "their bf16 casts made in every forward and recompute (--no-cast-cache)") + ".")
         s += (" Peak memory: torch.cuda.max_memory_allocated in each phase, beside what was already allocated when it "
               "began (the other copies' weights).")
     return s
@@ -623,11 +649,14 @@ def main(argv=None):
                     help="flash: no gradient checkpointing (default on there, off on tiny / wide, as their configs)")
     ap.add_argument("--no-hf", action="store_true", help="ours only (no transformers side)")
     ap.add_argument("--no-fp8", action="store_true", help="flash: no fp8 generator rows")
+    ap.add_argument("--no-cast-cache", action="store_true", help="ours casts the routed experts to bf16 in every "
+                    "forward and recompute (kernels/moe.CAST_CACHE off: the path before the cast cache)")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="the file --write updates")
     ap.add_argument("--write", action="store_true", help="write the section into --out (docs/benchmarks.md)")
     args = ap.parse_args(argv)
+    moe_kernels.CAST_CACHE = not args.no_cast_cache
     args.shapes = (args.shape or ("tiny" if args.quick else "tiny,wide")).split(",")
     is_flash = "flash" in args.shapes
     if set(args.shapes) - {"tiny", "wide", "flash"}:

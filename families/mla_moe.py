@@ -486,11 +486,31 @@ class Experts(nn.Module):
         E, I, H = cfg.moe.n_routed_experts, cfg.moe.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        self.casts = moe_kernels.CastCache()  # their bf16 copies under autocast, one per optimizer step
 
     def forward(self, x, idx, w):
         """x [N, hidden], idx [N, k] expert ids, w [N, k] their weights -> [N, hidden] (kernels/moe.py; an fp8
-        generator swaps this module for fp8.FP8Experts)."""
-        return moe_kernels.experts_forward(x, idx, w, self.gate_up_proj, self.down_proj)
+        generator swaps this module for fp8.FP8Experts).
+
+        fp32 masters under autocast (the learner on a GPU: one process, or DDP) are multiplied in x's dtype, by
+        copies made once per optimizer step (kernels/moe.CastCache), not in every forward and checkpointed
+        recompute. Nothing is cached where the weights already are x's dtype (a bf16 model, LoRA's frozen bf16
+        base, FSDP2 gathering them in bf16: parallel.gather_policy, a cast once per gather), nor under FSDP2 at
+        all (it marks the modules it manages with _is_fsdp_managed_module): its gathered weights are freed after
+        each use, and a copy kept of them would hold every layer's experts whole on every rank."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if (moe_kernels.CAST_CACHE and torch.is_autocast_enabled(x.device.type) and gate_up.dtype != x.dtype
+                and not getattr(self, "_is_fsdp_managed_module", False)):
+            gate_up = self.casts.weight("gate_up_proj", gate_up, x.dtype)
+            down = self.casts.weight("down_proj", down, x.dtype)
+        return moe_kernels.experts_forward(x, idx, w, gate_up, down)
+
+
+def same_experts(ids, other):
+    """ids [N, k] (the router's top-k: k distinct experts per token), other [N, k] -> [N] bool: whether each token's
+    two sets of experts are the same, in any order. Every id of ids among other's k entries says it: k distinct ids
+    found in k entries leave no room for another (so no sort: the same answer as comparing the sorted rows)."""
+    return (ids[:, :, None] == other[:, None, :]).any(-1).all(-1)  # [N, k, k] compares: k is 2 to 8
 
 
 class MoE(nn.Module):
@@ -513,7 +533,7 @@ class MoE(nn.Module):
         if replay is not None:
             r = replay.reshape(B * T, -1)
             replayed = (r != no_route(r.dtype)).all(-1)  # [N]
-            same = (ids.sort(-1).values == r.long().sort(-1).values).all(-1)
+            same = same_experts(ids, r.long())
             agree = torch.stack([(same & replayed).sum(), replayed.sum()])
             ids = torch.where(replayed[:, None], r.long(), ids) if apply else ids
         out = self.experts(flat, ids, self.gate.weigh(scores, ids))

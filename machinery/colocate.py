@@ -82,6 +82,11 @@ class Handoff:
         """The learner has stepped and published: free its gradients and, with offload, move its state out."""
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        # MoE experts' bf16 copies (kernels/moe.py's CastCache): an optimizer step drops them, a skipped one does
+        # not, and the memory plan holds them in the train phase only
+        for m in self.model.modules():
+            if hasattr(m, "casts"):
+                m.casts.copies.clear()
         if self.offload and not self.out:
             seen = set()
             for t in offloaded_tensors(self.model, self.optimizer):

@@ -306,6 +306,14 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
     # and, in backward, their gradients: 5.5 fp32 [c, V] at the peak (measured on CPU).
     logits = (f"logits of a chunk fp32 [{min(logit_chunk, T)}, vocab] x5.5", int(5.5 * min(logit_chunk, T) * V * 4))
 
+    # The routed experts' bf16 copies (kernels/moe.CastCache): with fp32 masters under autocast (one process, or DDP)
+    # each MoE layer's are cast by the step's first forward and held, every layer's, until its optimizer step drops
+    # them; forwards and checkpointed recomputes reuse them. None under LoRA (the experts are in the frozen bf16 base:
+    # nothing to cast; GLM-4.7-Flash's recipe fits because of it: its 46 MoE layers' copies would be 51.8 GiB) nor under
+    # FSDP2 across processes (gathered in bf16 per use, never cached). Held into the next phase only after a skipped
+    # (non-finite) step, which drops nothing: the co-located phases below leave that case out.
+    experts = count(lambda n: ".mlp.experts." in n)
+    cast_once = ("routed experts' bf16 copies, made once a step (kernels/moe.py)", 2 * experts)
     adapters = 0
     if lora_cfg is not None:  # LoRA (config refuses FSDP across processes): a frozen bf16 base, replicated; fp32 adapters
         with torch.device("meta"):  # counted on a meta model with lora.py's own adapters
@@ -322,6 +330,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                     ("bf16 decoder layers gathered: current + prefetched", 2 * layer),
                     ("bf16 root grads (lm_head's from the first chunk on)", 2 * root)]
         one_block = (one_block[0] + " (+ layer's bf16/fp32)", one_block[1] + 3 * layer)
+        learner += [cast_once] if N == 1 and experts else []  # one process: no FSDP (parallel_learner), fp32 masters
         transients = [logits, one_block, ("root grads' fp32 reduce-scatter copy", 4 * root),
                       ("publishing: one gathered bf16 tensor", 2 * max(p.numel() for p in named.values()))]
     else:  # DDP: full replicas; autocast caches the bf16 cast of every weight a matmul uses until it exits
@@ -330,7 +339,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                    ("AdamW exp_avg + exp_avg_sq fp32", 8 * Pt)]
         learner += [("KL reference bf16 (what autocast computes with anyway)", 2 * P + 2 * P32)] if reference else []
         learner += [("autocast's bf16 weight copies (held to the forward's end)",
-                     2 * (Pt - (0 if cfg.tie_word_embeddings else V * h)))]  # the embedding table is not cast
+                     2 * (Pt - experts - (0 if cfg.tie_word_embeddings else V * h)))]  # the embedding table is not cast
+        learner += [cast_once] if experts else []
         transients = [logits, one_block]
     # a micro-batch with few response tokens keeps its log-probs [N, vocab] fp32 (and the entropy bonus's exp)
     learner += [("small micro-batch's log-softmax kept for backward (2 x logit_keep)", 2 * logit_keep)]
@@ -406,8 +416,17 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
             # reuse its memory on the one capture stream) and cuBLAS's workspace for that stream (32 MiB on Hopper);
             # static buffers beside it. A capture's eager warm-up still runs beside the pool. (Measured on an H100,
             # bench/gpu_memory.py: the first capture keeps the workspace, the later ones nothing more.)
-            generator += [(f"CUDA graphs' pool: a decode forward of {B} rows + cuBLAS's workspace", forward + CUBLAS_WORKSPACE),
+            # Speculative: the verify's graphs (graphs.DecodeGraphs.verify) share that pool, and their largest bucket is the
+            # pool's first capture: a forward of B (k + 1) rows over at most S keys, its trunk's hidden and the final
+            # norm's output beside its logits; their own static buffers, the trunk's hidden [B (k + 1), h] among them
+            pool = (f"a verify forward of {B} x {k + 1} rows", decode(B * (k + 1), S)[0] + 4 * B * (k + 1) * h) if k else (
+                f"a decode forward of {B} rows", forward)
+            generator += [(f"CUDA graphs' pool: {pool[0]} + cuBLAS's workspace", pool[1] + CUBLAS_WORKSPACE),
                           (f"CUDA graphs' inputs [{B}, {S}] and logits [{B}, V]", B * (S * 9 + 16) + 2 * B * V)]
+            if k:
+                R = B * (k + 1)
+                generator.append((f"CUDA graphs' verify inputs [{R}, {S}], logits [{R}, V] and trunk [{R}, h]",
+                                  R * (S * 9 + 16) + 2 * R * V + 2 * R * h))
         steps.append(("a decode step (logits, activations, DSA scores, sampling)", forward + sampling))
         if k:  # speculative.py: the token buffers' k more columns, each row's trunk hidden kept between steps; a step's
             # verify forward of B (k + 1) rows over S + k keys as a decode step's (its logits, then the sampler's fp32

@@ -195,8 +195,13 @@ def test_an_moe_handoff_frees_and_restores_both_halves_bit_for_bit():
     experts = learner.layers[1].mlp.experts.gate_up_proj
     assert any(t.data_ptr() == experts.data_ptr() for t in offloaded_tensors(learner, optimizer))
 
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a step that skips its optimizer step keeps its bf16 copies
+        learner(torch.tensor([PROMPTS[1]]))
+    casts = learner.layers[1].mlp.experts.casts
+    assert casts.copies
     hand.to_generator()
     assert all(t.untyped_storage().nbytes() == 0 for t in offloaded_tensors(learner, optimizer))
+    assert not casts.copies  # ... which the handoff frees: the generate phase's plan holds none
     assert moe_out(engine) == before
 
     hand.to_learner()

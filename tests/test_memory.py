@@ -347,3 +347,23 @@ def test_speculative_decoding_buffers_are_what_the_engine_allocates(monkeypatch)
     assert step == as_decode["largest transient: a decode step (logits, activations, DSA scores, sampling)"] + \
         R * (S + k + 1) * 9 + R * cfg.hidden_size * 2
     assert not any("speculative" in item for item, _ in memory_plan(cfg, **args).generator)
+
+
+def test_the_routed_experts_cast_once_a_step_are_counted_where_they_are_held():
+    """kernels/moe.CastCache's bf16 copies of the routed experts (2 bytes x E x 3 I h per MoE layer, written out from
+    the architecture) in the learner's step: under DDP (fp32 masters under autocast) out of autocast's copies, whose
+    total stays; with one process under "fsdp" (no FSDP: a plain module); not under FSDP2 across processes (gathered
+    in bf16, never cached), nor under LoRA (the experts in the frozen bf16 base), nor for a dense model."""
+    from machinery import lora
+    e, h = TINY_MOE.moe, TINY_MOE.hidden_size
+    copies = 2 * len(TINY_MOE.moe_layers) * e.n_routed_experts * 3 * e.moe_intermediate_size * h
+    name = "routed experts' bf16 copies"
+    ddp = moe_plan(TINY_MOE, parallel="ddp", learner_gpus=2).learner
+    P, P32 = moe_hand_counts(TINY_MOE)
+    indexer = sum(p.numel() for n, p in GLM(TINY_MOE).named_parameters() if ".indexer." in n)
+    assert item(ddp, name) == copies
+    assert item(ddp, "autocast's bf16 weight copies") + copies == 2 * (P - indexer - TINY_MOE.vocab_size * h)
+    assert item(moe_plan(TINY_MOE, learner_gpus=1).learner, name) == copies
+    for plan in (moe_plan(TINY_MOE, learner_gpus=2), moe_plan(TINY_MOE, parallel="ddp", lora_cfg=lora.LoRAConfig()),
+                 tiny_plan(parallel="ddp"), tiny_plan(learner_gpus=1)):
+        assert not any(n.startswith(name) for n, _ in plan.learner)

@@ -17,6 +17,7 @@ from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM, GlmMoeDsaCon
 
 import model
 from families import mla_moe
+from kernels import moe as kernels_moe
 from families.mla_moe import Routing
 from model import GLM, GLMConfig, KVCache
 
@@ -527,3 +528,148 @@ def test_a_glm5_config_json_without_moe_keys_means_glm5s_moe_not_flashs():
     flash = {k: v for k, v in flash.items() if k not in ("n_routed_experts", "routed_scaling_factor")}
     moe = model.GLMConfig.from_hf(flash).moe
     assert (moe.n_routed_experts, moe.routed_scaling_factor) == (64, 1.8)
+
+
+# ----------------------------------------------------------------------------- the experts' cast cache, one sort
+
+CAST_CFG = dict(model_type="glm4_moe_lite", vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=3,
+                num_heads=4, mla=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                      v_head_dim=8),
+                moe=dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                         mlp_layer_types=["dense", "sparse", "sparse"]))
+
+
+def experts_of(m):
+    return [layer.mlp.experts for layer in m.layers if isinstance(layer.mlp, mla_moe.MoE)]
+
+
+def cast_model(seed=0):
+    torch.manual_seed(seed)
+    return GLM(GLMConfig(**CAST_CFG))
+
+
+def train_step(m, opt, batches, cache: bool, autocast=True):
+    """One optimizer step over micro-batches (ids, replayed routes or None) under bf16 autocast, the cast cache on or
+    off (off: every forward and recompute casts the experts, the previous path) -> (logits, gradients)."""
+    kernels_moe.CAST_CACHE = cache
+    try:
+        outs = []
+        for ids, routes in batches:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits = m(ids, routing=Routing(replay=routes))
+            logits.float().logsumexp(-1).mean().backward()
+            outs.append(logits.detach())
+        grads = [p.grad.clone() for p in m.parameters() if p.requires_grad]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return outs, grads
+    finally:
+        kernels_moe.CAST_CACHE = True
+
+
+def test_expert_weights_cast_once_per_step_across_forwards_and_recomputes():
+    """bf16 autocast over fp32 masters, gradient checkpointing, two micro-batches (one replaying routes), fused AdamW
+    (train.adamw's, which steps in place without bumping _version) for two steps: logits and every gradient have
+    the bits of the path that casts in every forward, and each expert weight is cast once per step (2 weights x 2
+    MoE layers), not once per forward and recompute (8 each). Outside autocast, or with bf16 weights, nothing is
+    cast or kept."""
+    ours, ref = cast_model(), cast_model()
+    for m in (ours, ref):
+        m.gradient_checkpointing = True
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (ours, ref)]
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 97, (2, 9), generator=g) for _ in range(2)]
+    batches = [(ids[0], recorded(ours, ids[0])), (ids[1], None)]
+    for step in range(2):
+        out, grads = train_step(ours, opts[0], batches, True)
+        out_ref, grads_ref = train_step(ref, opts[1], batches, False)
+        for a, b in zip(out + grads, out_ref + grads_ref):
+            assert torch.equal(a, b), step
+        assert [e.casts.casts for e in experts_of(ours)] == [2 * (step + 1)] * 2 and experts_of(ref)[0].casts.casts == 0
+        assert all(not e.casts.copies for e in experts_of(ours))  # dropped by the step: none held until the next forward
+    for (n, a), b in zip(ours.named_parameters(), ref.parameters()):
+        assert torch.equal(a, b), n
+    plain = cast_model()
+    train_step(plain, torch.optim.AdamW(plain.parameters()), batches, True, autocast=False)  # fp32: no autocast
+    bf16 = cast_model().cast_(torch.bfloat16)  # the weights already in the compute dtype (the router's in fp32)
+    train_step(bf16, torch.optim.AdamW(bf16.parameters()), batches, True)
+    assert all(e.casts.casts == 0 for e in experts_of(plain) + experts_of(bf16))
+
+
+def test_frozen_expert_weights_are_cast_once_for_good():
+    """LoRA's way (frozen experts, no optimizer holds them) with fp32 weights under autocast: their copies are made
+    by the first step and kept through the later ones; the trained weights' gradients are unchanged by it."""
+    ours, ref = cast_model(), cast_model()
+    for m in (ours, ref):
+        for e in experts_of(m):
+            e.requires_grad_(False)
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2, fused=True)
+            for m in (ours, ref)]
+    batches = [(torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2)), None)]
+    for step in range(2):
+        out, grads = train_step(ours, opts[0], batches, True)
+        out_ref, grads_ref = train_step(ref, opts[1], batches, False)
+        assert all(torch.equal(a, b) for a, b in zip(out + grads, out_ref + grads_ref))
+        assert [e.casts.casts for e in experts_of(ours)] == [2, 2]
+        assert all(len(e.casts.copies) == 2 for e in experts_of(ours))
+
+
+def test_fsdp2_gathered_experts_are_never_cached():
+    """FSDP2 (one CPU process, gloo over an in-process store) gathering the experts as stored, fp32, under bf16
+    autocast: they are cast in each forward as before and nothing is cached (a cached copy of gathered weights would
+    keep every layer's experts whole on every rank, and FSDP's gathered parameter is not the one its optimizer
+    steps, so no step would drop it), with the unsharded model's logits before and after an optimizer step."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    ours, ref = cast_model(), cast_model()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in ours.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=MixedPrecisionPolicy())
+        fully_shard(ours, mesh=mesh)
+        assert all(getattr(e, "_is_fsdp_managed_module", False) for e in experts_of(ours))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=False) for m in (ours, ref)]
+        batches = [(torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(3)), None)]
+        for step in range(2):
+            out, out_ref = train_step(ours, opts[0], batches, True)[0], train_step(ref, opts[1], batches, False)[0]
+            assert torch.equal(out[0], out_ref[0]), step
+        assert all(e.casts.casts == 0 for e in experts_of(ours))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_same_experts_is_the_sorted_comparison():
+    """same_experts (no sort) against comparing the sorted rows, with the router's k distinct ids on one side and
+    anything on the other (other orders, repeats, other experts)."""
+    g = torch.Generator().manual_seed(4)
+    for k, E in ((1, 3), (2, 4), (4, 8), (8, 9)):
+        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(500)])
+        other = torch.randint(0, E, (500, k), generator=g)
+        other[::3] = ids[::3][:, torch.randperm(k, generator=g)]  # the same set, shuffled
+        other[1::7, 0] = other[1::7, -1]  # repeats
+        want = (ids.sort(-1).values == other.sort(-1).values).all(-1)
+        assert torch.equal(mla_moe.same_experts(ids, other), want) and want.any() and not want.all()
+
+
+def test_an_moe_layer_sorts_once_under_replay():
+    """An MoE layer's forward with replayed routes runs one sort, the experts' (the routes' agreement is counted
+    without sorting either side), with or without replay."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sorts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ in ("sort", "argsort")
+            return func(*args, **(kwargs or {}))
+
+    m = cast_model()
+    mlp = next(layer.mlp for layer in m.layers if isinstance(layer.mlp, mla_moe.MoE))
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(5))
+    routes = torch.randint(0, 8, (2, 9, 2), generator=torch.Generator().manual_seed(6)).to(torch.uint8)
+    for replay in (routes, None):
+        with Sorts() as sorts:
+            mlp(x, replay)
+        assert sorts.n == 1

@@ -1,8 +1,12 @@
 """kernels/moe.py: the grouped experts against a naive float64 loop over tokens, forward and backward, through
-torch._grouped_mm (where this torch runs it) and through the loop over experts."""
+torch._grouped_mm (where this torch runs it) and through the loop over experts; one sort and no scatter-add, with
+the previous formula's bits; CastCache against the cast it replaces."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import moe
 
@@ -84,3 +88,111 @@ def test_unaligned_shapes_take_the_loop():
     assert not moe._grouped_mm_runs(x, gate_up.transpose(1, 2))
     torch.testing.assert_close(moe.experts_forward(x, idx, w, gate_up, down).double(),
                                naive(x.double(), idx, w.double(), gate_up.double(), down.double()), atol=1e-5, rtol=1e-5)
+
+
+class Ops(TorchDispatchMode):
+    """The aten ops that run inside the block (forward, and backward if it runs inside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def previous(x, idx, w, gate_up, down):
+    """experts_forward as it was: x expanded to the k slots, reshaped and index_select'ed by an argsort, the results
+    back by index_select with the inverse permutation (a scatter of arange): the same values, by other ops."""
+    N, H = x.shape
+    k = idx.shape[1]
+    order = torch.argsort(idx.reshape(-1).long(), stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel()))
+    offs = torch.searchsorted(idx.reshape(-1).long()[order], torch.arange(gate_up.shape[0]), right=True).to(torch.int32)
+    xs = x[:, None].expand(N, k, H).reshape(N * k, H).index_select(0, order)
+    gate, up = moe.grouped_mm(xs, gate_up.to(x.dtype).transpose(1, 2), offs).chunk(2, dim=-1)
+    ys = moe.grouped_mm(F.silu(gate) * up, down.to(x.dtype).transpose(1, 2), offs).index_select(0, inverse)
+    return (ys.view(N, k, H) * w.to(ys.dtype)[..., None]).sum(1)
+
+
+def bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_sort_no_scatter_add_and_the_previous_bits(grouped, dtype, monkeypatch):
+    """experts_forward sorts once (its sorted ids give the offsets; no inverse permutation is made) and its
+    backward adds nothing by index (no index_add / scatter_add / accumulating index_put: atomics on CUDA), with
+    the bits, forward and backward, of the previous formula (x expanded, index_select'ed, the inverse gathered),
+    down to the sign of zero gradients (a third of the output gradient's rows are -0.0)."""
+    monkeypatch.setattr(moe, "USE_GROUPED_MM", grouped)
+    x, idx, w, gate_up, down = case(N=40, k=3, E=8, H=32, I=16, seed=2, unused=(5,))
+    seed = torch.randn(40, 32, generator=torch.Generator().manual_seed(3)).to(dtype)
+    seed[::3] = -0.0
+    results = []
+    for f in (previous, moe.experts_forward):
+        ins = [x.to(dtype), idx, w, gate_up, down]
+        ins = [t.clone().requires_grad_(t.is_floating_point()) for t in ins]
+        with Ops() as ops:
+            out = f(*ins)
+            out.backward(seed)
+        results.append([out.detach()] + [t.grad for t in ins if t.is_floating_point()])
+    for a, b in zip(*results):
+        assert torch.equal(bits(a), bits(b))
+    assert ops.names.count("sort") == 1 and "scatter" not in ops.names
+    assert not {"index_add", "scatter_add", "index_put"} & set(ops.names)
+    order, offs = moe.expert_order(idx, 8)  # and sort_by_expert (fp8.FP8Experts') still gives the inverse
+    assert torch.equal(moe.sort_by_expert(idx, 8)[1][order], torch.arange(order.numel()))
+
+
+def test_cast_cache_gives_the_casts_bits_and_gradient():
+    """CastCache.weight: the values of master.to(bf16), and a backward that hands the master the cast's own
+    gradient (the same bits); one copy for every call until the master changes."""
+    g = torch.Generator().manual_seed(4)
+    master = torch.nn.Parameter(torch.randn(3, 8, 5, generator=g))
+    seed = torch.randn(3, 8, 5, generator=g).bfloat16()
+    master.to(torch.bfloat16).backward(seed)
+    expect = master.grad.clone()
+    master.grad = None
+    cache = moe.CastCache()
+    for _ in range(3):  # three "forwards" (a forward and two recomputes): one copy
+        out = cache.weight("w", master, torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and torch.equal(bits(out), bits(master.detach().to(torch.bfloat16)))
+        out.backward(seed)
+    assert cache.casts == 1 and torch.equal(master.grad, 3 * expect)
+    with torch.no_grad():  # an in-place change that bumps _version: a new copy
+        master.mul_(2)
+    assert torch.equal(cache.weight("w", master, torch.bfloat16), master.detach().to(torch.bfloat16)) and cache.casts == 2
+    assert not copy.deepcopy(cache).copies  # a copied model's cache is its own, empty
+    with torch.no_grad():
+        master.mul_(2)
+    with torch.inference_mode():  # its tensors could never enter a graph: cast, not cached
+        assert torch.equal(cache.weight("w", master, torch.bfloat16), master.detach().to(torch.bfloat16))
+    master.grad = None
+    cache.weight("w", master, torch.bfloat16).sum().backward()
+    assert cache.casts == 3 and torch.equal(master.grad, torch.ones_like(master))
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach", "for-loop"])
+def test_cast_cache_recasts_after_an_optimizer_step_and_keeps_frozen_copies(kind):
+    """After an AdamW step the stepped master's copy is made again (fused AdamW steps in place without bumping
+    _version: the optimizer hook catches it); a frozen master's copy stays, made once; a second optimizer that
+    does not hold the master leaves its copy alone."""
+    g = torch.Generator().manual_seed(5)
+    master, frozen = torch.nn.Parameter(torch.randn(4, 6, generator=g)), torch.randn(4, 6, generator=g)
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}[kind]
+    opt = torch.optim.AdamW([master], lr=0.1, **flags)
+    other = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    cache = moe.CastCache()
+    for step in range(3):
+        out = cache.weight("w", master, torch.bfloat16)
+        assert torch.equal(out, master.detach().to(torch.bfloat16)), step
+        assert torch.equal(cache.weight("frozen", frozen, torch.bfloat16), frozen.to(torch.bfloat16))
+        assert cache.casts == step + 2  # the frozen copy once, the master's once per step
+        out.float().square().sum().backward()
+        other.step()  # (another model's optimizer: not this master's)
+        assert cache.weight("w", master, torch.bfloat16) is not None and cache.casts == step + 2
+        opt.step()
+        opt.zero_grad(set_to_none=True)
