@@ -7,7 +7,7 @@
 #   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
 #   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
 #
-# Parts, in the order they run (their timeouts: T1 ... T8, T4a ... T4e; all of them within BUDGET seconds from the
+# Parts, in the order they run (their timeouts: T1 ... T9, T4a ... T4e; all of them within BUDGET seconds from the
 # start: what has not run on a GPU yet comes first, so a part the budget cuts is one measured before):
 #   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
 #       CUDA branch when there is one, found in tests/ by name (the MoE model's and engine's CUDA tests too, by the
@@ -32,8 +32,12 @@
 #   5   the tiny default run on one GPU (configs/tiny_cpu.yaml), its final held-out accuracy against the README's
 #       CPU seeds
 #   6   bench/fp8.py: FP8 generator weights at GLM-Z1-9B's shapes: quantization error, quantize time, and the fp8
-#       GEMM (torch's scaled_mm, fp8.py's Triton kernel) against its CPU reference and against bf16 in speed (last,
+#       GEMM (torch's scaled_mm, fp8.py's Triton kernel) against its CPU reference and against bf16 in speed (late,
 #       so the budget may cut it: rerun with --parts 6)
+#   9   bench/speculative.py --decode: decode tokens/s with and without speculation (k = 3), CUDA graphs on (the
+#       verify's too: graphs.DecodeGraphs.verify), on GLM-4.7-Flash cut to 4 layers, 256 and 64 rows, random weights
+#       at controlled acceptance (an oracle drafter: the plain run's token with probability 0.7); the target
+#       is >= 1.8x. Dry mode runs its CPU side (--quick: flash's widths shrunk). Last: rerun with --parts 9
 # Files: OUTDIR/<part>_*.log (+ .json / .md / .xml), OUTDIR/status.tsv, and OUTDIR/summary.md (rewritten after
 # every part; merge it by hand into docs/benchmarks.md). What needs more than one GPU is printed, not run.
 #
@@ -324,7 +328,8 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------------ the parts
-say "plan: parts 1 (GPU-only tests), 8 (MoE), 3 (memory), 2 (parity), 7 (colocate handoff), 4a-4e (speed), 5 (tiny run), 6 (fp8); budget ${BUDGET}s"
+say "plan: parts 1 (GPU-only tests), 8 (MoE), 3 (memory), 2 (parity), 7 (colocate handoff), 4a-4e (speed), 5 (tiny run), 6 (fp8),"
+say "      9 (speculative decode); budget ${BUDGET}s"
 if [[ $DRY == 1 ]]; then
     say "part 1 would run: ${GPU_TESTS:-none found}"
 fi
@@ -375,6 +380,13 @@ run_part 5 "tiny run" 150 1 \
 # (dry mode skips it: its CPU side, `bench/fp8.py --device cpu --small`, takes ~10 s, and tests/test_fp8.py covers
 # the format and the CPU matmul)
 run_part 6 "fp8" 120 1 "$PY bench/fp8.py --device cuda --json $OUT/6_fp8.json --md $OUT/6_fp8.md" x_md
+
+SPEC="$PY bench/speculative.py --decode --shape flash --json $OUT/9_speculative.json --md $OUT/9_speculative_decode.md"
+if [[ $DRY == 1 ]]; then
+    run_part 9 "speculative decode" 60 0 "$SPEC --quick" x_md
+else
+    run_part 9 "speculative decode" 180 1 "$SPEC --device cuda --layers 4 --rows 256 64 --k 3 --p 0.7" x_md
+fi
 
 echo
 multi_gpu

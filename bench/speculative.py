@@ -19,8 +19,25 @@ Speculative.of) plays CALLS calls, each timed beside a plain engine's call of th
 CPU slows both alike): its modes call by call (S speculative, P plain), its last figures (engine.stats'
 spec_tokens_per_s and plain_tokens_per_s) and its speedup on the engine's busy time (the plain calls' wall seconds
 over its own, prefills included).
+
+Controlled acceptance at a real model's shapes (--decode; bench/gpu.sh part 9): random weights accept nothing, so the
+drafter is the oracle, on the device (its drafts cost a lookup), and the figure is decode tokens/s with and without
+speculation, CUDA graphs on where CUDA is (the plain decode's and the verify's: graphs.DecodeGraphs.verify):
+
+    python bench/speculative.py --decode --device cuda --shape flash    # GLM-4.7-Flash (bench/moe.py's) cut to 4
+                                                                        # layers, k = 3, p = 0.7, 256 and 64 rows
+    python bench/speculative.py --decode --shape flash --quick          # on a CPU: its widths shrunk, 16 rows of 32
+                                                                        # new tokens (seconds; graphs' buckets eager)
+
+Per rows: the plain engine's and the speculative engine's decode tokens/s (B (new - 1) tokens over a call of `new`
+tokens less a call of one, the prefill's), their ratio, the tokens per row-verify, and the acceptance rate measured on
+the engine: the drafts it accepted over the drafts it tested (each row's accepted ones and its first rejected one,
+where it had one), which is p if the engine accepts exactly the drafts that equal the plain run's token (checked: the
+engine's accepted count equals the oracle's own count of leading matches). The tokens are checked to be the plain
+engine's.
 """
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -30,27 +47,46 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench import write_results  # noqa: E402
+from bench.moe import arch_of  # noqa: E402
 from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from families import mtp  # noqa: E402
+from machinery.sampler import _M32, sample_keys  # noqa: E402
 from machinery.speculative import Drafter, MTPDrafter, Speculative  # noqa: E402
-from model import GLM, GLMConfig  # noqa: E402
+from model import GLM, GLMConfig, to_device  # noqa: E402
 
 DSA = {"topk": 8, "heads": 4, "head_dim": 16, "rope_dim": 8, "pattern": "FS"}
 
 
 class Oracle(Drafter):
-    """The plain run's token at each position with probability p, else another one."""
+    """The plain run's token at each position with probability p, else another one (the next id). plain: {request index:
+    its tokens}. The coin for (request, token index) is a hash of the request's noise seed, the index and `seed`, so
+    the drafts never depend on the batch; all on the device, no host read. It counts, on the device, the drafts a correct
+    engine accepts (each row's leading matches, as far as it may go) in `hits` and the drafts it tests (those and
+    the first mismatch, where there is one) in `tested`."""
 
     def __init__(self, plain, p, vocab, seed=0):
-        self.plain, self.p, self.vocab, self.rng = plain, p, vocab, random.Random(seed)
+        n = max(plain) + 1
+        width = max((len(t) for t in plain.values()), default=0) + 1  # (past a row's tokens: 0, as a padding draft)
+        self.truth = torch.zeros(n, width, dtype=torch.long)  # [requests, tokens]
+        for i, t in plain.items():
+            self.truth[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        self.p, self.vocab, self.seed = p, vocab, seed
+        self.hits = self.tested = 0
 
     def draft(self, engine, rows, hidden, fresh, k):
-        out = []
-        for r, s in zip(engine.sched.running, (rows.base + rows.ngen).tolist()):
-            want = self.plain[r.index]
-            truth = [want[s + j] if s + j < len(want) else 0 for j in range(k)]
-            out.append([t if self.rng.random() < self.p else (t + 1) % self.vocab for t in truth])
-        return torch.tensor(out, dtype=torch.long).view(-1, k)
+        dev = rows.seeds.device
+        self.truth = self.truth.to(dev)
+        idx = to_device([r.index for r in engine.sched.running], dev, torch.long)
+        step = rows.base[:, None] + rows.ngen[:, None] + torch.arange(k, device=dev)  # [B, k] token j's index
+        truth = self.truth[idx[:, None], step.clamp_max(self.truth.shape[1] - 1)]
+        coin = (sample_keys(rows.seeds[:, None] ^ self.seed, step + (1 << 20)) & _M32).double() / 2**32  # [B, k] in [0, 1)
+        hit = coin < self.p
+        n = torch.where(rows.status == 0, (rows.left - rows.ngen - 1).clamp(0, k), 0)  # [B] drafts a row can use
+        a = torch.minimum(hit.long().cumprod(1).sum(1), n)
+        self.hits = self.hits + a.sum()
+        self.tested = self.tested + torch.minimum(a + 1, n).sum()
+        return torch.where(hit, truth, (truth + 1) % self.vocab)
 
 
 def timed_decode(engine):
@@ -65,16 +101,103 @@ def timed_decode(engine):
     return engine
 
 
-def main():
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_rate(engine, prompts, sampling, new, plain=None, reset=None):
+    """A warm-up call (the pool sized, every bucket captured), then calls of 1 and of `new` tokens -> (decode tokens/s,
+    the longer call's completions): B (new - 1) tokens over the difference of their seconds. plain: the completions the
+    longer call must give (the plain engine's); reset: called after the warm-up (counters over the timed calls)."""
+    dev = engine.device
+    engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=new), seed=1)
+    if reset:
+        reset()
+    times, out = {}, None
+    for n in (1, new):  # (1 new token: the prefill, and its sampling)
+        sync(dev)
+        t = time.perf_counter()
+        out = engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=n), seed=1)
+        sync(dev)
+        times[n] = time.perf_counter() - t
+    assert all(len(c.token_ids) == new for c in out)  # no stop tokens: every row runs to the limit
+    if plain is not None:
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain], "speculation changed the tokens"
+    return len(prompts) * (new - 1) / max(times[new] - times[1], 1e-9), out
+
+
+def controlled(args):
+    """--decode: decode tokens/s with and without speculation at controlled acceptance (the docstring's last part)."""
+    device = torch.device(args.device)
+    arch = arch_of(args.shape, args.layers, args.quick)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GLM(arch).cast_(dtype)  # the generator's copy, as engine.make_engine (FP32_PARAMS stay fp32)
+    g = torch.Generator().manual_seed(2)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new, stop_token_ids=())
+    k, rows = args.k[-1], []
+    for B in args.rows:
+        prompts = [torch.randint(2, arch.vocab_size, (args.prompt,), generator=g).tolist() for _ in range(B)]
+        # graphs on both sides (on a CPU the same padded buckets run eagerly: DecodeGraphs' capture=False)
+        plain_rate, plain = decode_rate(TorchEngine(model, max_batch=B, graphs=True), prompts, sampling, args.new)
+        oracle = Oracle({i: c.token_ids for i, c in enumerate(plain)}, args.p, arch.vocab_size)
+        engine = TorchEngine(model, max_batch=B, graphs=True, speculative=Speculative(oracle, k))
+        def reset():  # the counters over the timed calls (the one-token call decodes nothing)
+            oracle.hits = oracle.tested = 0
+            engine.stats.update({key: 0 for key in engine.stats if key.startswith("spec_")})
+        spec_rate, _ = decode_rate(engine, prompts, sampling, args.new, plain, reset)
+        s, hits, tested = engine.stats, int(oracle.hits), int(oracle.tested)
+        assert s["spec_accepted"] == hits, (s["spec_accepted"], hits)  # the engine accepts exactly the leading matches
+        v = engine.graphs.verify
+        note = "verify graphs fell back to eager" if v.capture and (v.failed or not v.graphs) else ""
+        rows.append(dict(rows=B, k=k, p=args.p, plain_tokens_per_s=plain_rate, spec_tokens_per_s=spec_rate,
+                         speedup=spec_rate / plain_rate, tokens_per_verify=s["spec_tokens"] / s["spec_rows"],
+                         accept_rate=s["spec_accepted"] / tested, captured=v.capture, note=note))
+        print(f"{B} rows, k = {k}: plain {plain_rate:.0f}, speculative {spec_rate:.0f} decode tokens/s "
+              f"({spec_rate / plain_rate:.2f}x); {rows[-1]['tokens_per_verify']:.2f} tokens per row-verify, "
+              f"acceptance {rows[-1]['accept_rate']:.3f} (p = {args.p}) {note}", flush=True)
+    what = f"{args.shape}{' (widths shrunk)' if args.quick else ''}, {arch.num_layers} layers, random weights"
+    md = "\n".join([f"### Speculative decoding at controlled acceptance ({what}, {device.type}, {dtype})", "",
+                     f"Command: `python bench/speculative.py {' '.join(sys.argv[1:])}`. Oracle drafter: the plain run's "
+                     f"token with probability p, else another; prompts of {args.prompt} tokens, {args.new} new tokens a row, "
+                     "CUDA graphs on (decode and verify)" + ("." if device.type == "cuda" else
+                                                             ": on a CPU their padded buckets run eagerly."), "",
+                     "| rows | k | p | plain decode tok/s | speculative decode tok/s | speedup | tokens / row-verify | "
+                     "acceptance | note |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                    + [f"| {r['rows']} | {r['k']} | {r['p']} | {r['plain_tokens_per_s']:.0f} | "
+                       f"{r['spec_tokens_per_s']:.0f} | {r['speedup']:.2f}x | {r['tokens_per_verify']:.2f} | "
+                       f"{r['accept_rate']:.3f} | {r['note']} |" for r in rows])
+    print(md, flush=True)
+    write_results(args, dict(command=" ".join(sys.argv), shape=args.shape, layers=arch.num_layers, rows=rows), md)
+    return rows
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--p", type=float, default=0.7)
-    ap.add_argument("--k", type=int, nargs="+", default=[2, 3])
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--new", type=int, default=48)
+    ap.add_argument("--k", type=int, nargs="+", default=None, help="drafts per step (default 2 3; --decode: 3)")
+    ap.add_argument("--rows", type=int, nargs="+", default=None, help="rows (default 16; --decode: 256 64)")
+    ap.add_argument("--new", type=int, default=None, help="new tokens a row (default 48; --decode: 64)")
     ap.add_argument("--drafter", choices=("oracle", "mtp"), default="oracle")
     ap.add_argument("--mtp-steps", type=int, default=60)
     ap.add_argument("--adaptive", type=int, default=0, metavar="CALLS", help="the adaptive engine over CALLS calls (0: not)")
-    args = ap.parse_args()
+    ap.add_argument("--decode", action="store_true", help="decode tokens/s at controlled acceptance (the docstring's end)")
+    ap.add_argument("--device", default="cpu", help="--decode: the device")
+    ap.add_argument("--shape", choices=("flash", "tiny", "wide"), default="flash", help="--decode: bench/moe.py's shape")
+    ap.add_argument("--layers", type=int, default=4, help="--decode, flash: decoder layers kept")
+    ap.add_argument("--prompt", type=int, default=128, help="--decode: prompt tokens a row")
+    ap.add_argument("--quick", action="store_true", help="--decode: flash's widths shrunk (bench/moe.py's), 16 rows")
+    ap.add_argument("--json", help="--decode: write the raw results here")
+    ap.add_argument("--md", help="--decode: write the markdown table here")
+    args = ap.parse_args(argv)
+    if args.decode:
+        args.k, args.new = args.k or [3], args.new or (32 if args.quick else 64)
+        args.rows = args.rows or ([16] if args.quick else [256, 64])
+        args.prompt = 8 if args.quick else args.prompt
+        return controlled(args)
+    args.k, args.rows, args.new = args.k or [2, 3], (args.rows or [16])[0], args.new or 48
     torch.manual_seed(0)
     torch.set_num_threads(1)
     vocab = 64

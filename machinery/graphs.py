@@ -3,9 +3,11 @@ The decode step as a function of the paged KV pool (decode_forward), and that st
 of padded buckets (DecodeGraphs). TorchEngine (engine.py) builds each row's key slots with key_slots and
 calls decode_forward for its eager decode steps and for the rows of a turn that extends parked KV; with
 graphs on, a decode step goes through DecodeGraphs.run instead (on a CPU, in tests, the same padded buckets
-run eagerly).
+run eagerly). A speculative engine's verify forward (speculative.py: k + 1 tokens a row) runs as DecodeGraphs.verify, a
+second set of the same buckets on the same memory pool.
 """
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +43,14 @@ GRAPH_ROW_STEP = 16
 GRAPH_MIN_KEYS = 256
 
 
+@dataclass
+class _Shared:
+    """What an engine's graph sets share: one memory pool and one capture stream (steps never overlap)."""
+    mempool: tuple | None = None  # the pool's handle (CUDAGraph.pool()), once a capture has made it
+    stream: "torch.cuda.Stream | None" = None
+    sets: list = field(default_factory=list)  # the DecodeGraphs on it
+
+
 class DecodeGraphs:
     """The decode forward as CUDA graphs, one per bucket of (rows, keys). Eager decoding pays Python's and
     the launch's overhead for each of a layer's few dozen kernels, every step, while the GPU waits for
@@ -53,12 +63,20 @@ class DecodeGraphs:
     largest bucket, which every bucket views), the graph runs, and the logits land in one [max_batch, V]
     buffer; every bucket shares one memory pool, as steps never overlap.
 
+    per > 1 (speculative.py's verify, k + 1 tokens a row): a bucket of Bg rows runs a forward of Bg * per rows,
+    a row's tokens next to each other, each with its own keys (as Speculative.step feeds them; a padding row is
+    per padding rows), and the trunk's hidden states (before the final norm) land in self.trunk [max_batch * per,
+    hidden] beside the logits computed from them, as the eager verify computes them. A DecodeGraphs made with
+    verify=k + 1 makes that set too, as .verify (the same rows, keys and capture), sharing its memory pool and
+    capture stream (_Shared): the pool holds the larger of the two forwards, not both.
+
     A bucket is captured on the first step that needs it: an eager run of the same padded inputs (Triton
-    compiles its kernels, cuBLAS picks its algorithms), the capture, then a replay whose logits must match
+    compiles its kernels, cuBLAS picks its algorithms), the capture, then a replay whose outputs must match
     the eager run's to a few roundings (a guard against a capture gone wrong: on a mismatch, or an error
-    while capturing, the graphs and their memory are dropped, the step runs again eagerly, rewriting any
-    keys a bad replay wrote, and the engine decodes eagerly from then on, with a warning). The very first
-    capture is of the largest bucket, all padding rows, so that the smaller ones reuse its memory. Captures
+    while capturing, the set's graphs are dropped (and the pool, where no set has graphs left), the step runs again
+    eagerly, rewriting any keys a bad replay wrote, and that set runs eagerly from then on, with a warning). The very
+    first capture on a pool is of the largest bucket of its largest set (the verify's where there is one), all padding
+    rows, so that every later one reuses its memory. Captures
     run on a stream of the engine's GPU and their errors are thread-local: the learner's thread beside it
     keeps its own GPU (torch.cuda.graph would also empty every device's allocator cache). Weight updates
     copy in place, so graphs stay valid; a new pool (a call with longer sequences) or max_batch gets new
@@ -69,21 +87,30 @@ class DecodeGraphs:
     reserved before the eager warm-up, allocated after it, the process's peak allocated before and after it (the
     warm-up's own peak where that rose), allocated and reserved after the capture, and whether the bucket was kept."""
 
-    def __init__(self, model: GLM, pool: PagedKVCache, max_batch: int, max_keys: int, capture: bool):
-        self.model, self.pool, self.capture, self.max_keys = model, pool, capture, max_keys
+    def __init__(self, model: GLM, pool: PagedKVCache, max_batch: int, max_keys: int, capture: bool, verify: int = 0,
+                 per: int = 1, shared: _Shared | None = None):
+        self.model, self.pool, self.capture, self.max_keys, self.per = model, pool, capture, max_keys, per
         self.rows = sorted({b for b in (1, 2, 4, 8) if b < max_batch} | set(range(GRAPH_ROW_STEP, max_batch, GRAPH_ROW_STEP))
                            | {max_batch})
-        dev, long = pool.k[0].device, dict(dtype=torch.long, device=pool.k[0].device)
-        self.tok, self.pos = torch.zeros(max_batch, 1, **long), torch.zeros(max_batch, 1, **long)
-        self.keys = torch.zeros(max_batch * max_keys, **long)  # viewed as [Bg, Lg] (contiguous) by each bucket
-        self.valid = torch.zeros(max_batch * max_keys, dtype=torch.bool, device=dev)
-        self.logits = torch.zeros(max_batch, model.cfg.vocab_size, dtype=pool.k[0].dtype, device=dev)
+        R, dev, long = max_batch * per, pool.k[0].device, dict(dtype=torch.long, device=pool.k[0].device)  # forward rows
+        self.tok, self.pos = torch.zeros(R, 1, **long), torch.zeros(R, 1, **long)
+        self.keys = torch.zeros(R * max_keys, **long)  # viewed as [Bg per, Lg] (contiguous) by each bucket
+        self.valid = torch.zeros(R * max_keys, dtype=torch.bool, device=dev)
+        self.logits = torch.zeros(R, model.cfg.vocab_size, dtype=pool.k[0].dtype, device=dev)
+        self.trunk = torch.zeros(R, model.cfg.hidden_size, dtype=pool.k[0].dtype, device=dev) if per > 1 else None
         # One side stream for every capture: cuBLAS keeps a workspace (32 MiB on Hopper) per stream, and the caching
         # allocator reuses a freed block only on the stream that freed it, so a new stream per capture made each
         # bucket keep its own workspace in the pool (measured on an H100: 0.031 GiB and 0.06 GiB reserved a bucket;
         # with one stream the later buckets add nothing)
-        self.graphs, self.mempool, self.failed, self.stream = {}, None, False, None
+        self.graphs, self.failed, self.shared = {}, False, shared or _Shared()
+        self.shared.sets.append(self)
         self.memory = {}  # (Bg, Lg) -> bytes around its capture (the docstring's last paragraph)
+        self.verify = (DecodeGraphs(model, pool, max_batch, max_keys, capture, per=verify, shared=self.shared)
+                       if verify else None)
+
+    @property
+    def mempool(self):  # the shared memory pool's handle (None: no capture holds one)
+        return self.shared.mempool
 
     def bucket(self, B: int, Lk: int):
         """The (rows, keys) shape a step of B rows and Lk keys runs as."""
@@ -94,42 +121,59 @@ class DecodeGraphs:
         return Bg, min(Lg, self.max_keys)
 
     def run(self, tok, pos, keys, valid, Bg):
-        """tok, pos [B]; keys, valid [B, Lg] (a bucket's width) -> logits [B, V] of the padded forward."""
-        B, Lg = keys.shape
-        if self.capture and not self.failed and not self.graphs and (Bg, Lg) != (self.rows[-1], self.max_keys):
-            # The largest bucket first, all padding rows: every later capture then fits in the memory it
-            # freed, and the graphs' pool stays one largest forward (the memory plan's figure)
-            self.run(tok[:0], pos[:0], keys.new_zeros(0, self.max_keys), valid.new_zeros(0, self.max_keys), self.rows[-1])
-        self.tok[:B, 0], self.pos[:B, 0] = tok, pos
-        self.tok[B:Bg], self.pos[B:Bg] = 0, 0
-        k, v = self.keys[:Bg * Lg].view(Bg, Lg), self.valid[:Bg * Lg].view(Bg, Lg)
-        k[:B], v[:B] = keys, valid
-        k[B:], v[B:] = self.pool.scratch, False
-        v[B:, -1] = True  # a padding row sees its own (scratch) slot: finite, and nobody else's
+        """tok, pos [R]; keys, valid [R, Lg] (a bucket's width), R = B per forward rows of B rows -> logits [R, V] of
+        the padded forward (per > 1: the trunk's hidden states [R, hidden] in self.trunk[:R])."""
+        R, Lg = keys.shape
+        Rg = Bg * self.per
+        while self.capture and not self.failed and self.mempool is None:
+            # The first capture on the pool: the largest bucket of the largest set that has not failed, all padding
+            # rows: every later capture then fits in the memory it freed, and the graphs' pool stays one largest forward
+            # (the memory plan's figure). (A failed set drops out, and the next largest goes first.)
+            big = max((s for s in self.shared.sets if not s.failed), key=lambda s: s.per)
+            if (big, Bg, Lg) == (self, self.rows[-1], self.max_keys):
+                break
+            big.run(big.tok[:0, 0], big.pos[:0, 0], keys.new_zeros(0, big.max_keys), valid.new_zeros(0, big.max_keys),
+                    big.rows[-1])
+        self.tok[:R, 0], self.pos[:R, 0] = tok, pos
+        self.tok[R:Rg], self.pos[R:Rg] = 0, 0
+        k, v = self.keys[:Rg * Lg].view(Rg, Lg), self.valid[:Rg * Lg].view(Rg, Lg)
+        k[:R], v[:R] = keys, valid
+        k[R:], v[R:] = self.pool.scratch, False
+        v[R:, -1] = True  # a padding row sees its own (scratch) slot: finite, and nobody else's
         if not self.capture or self.failed:
             self._forward(Bg, Lg)
         elif (Bg, Lg) in self.graphs:
             self.graphs[Bg, Lg].replay()
         else:
             self._capture(Bg, Lg)
-        return self.logits[:B]
+        return self.logits[:R]
+
+    def _outputs(self, Rg):
+        return [self.logits[:Rg]] + ([self.trunk[:Rg]] if self.per > 1 else [])
 
     def _forward(self, Bg, Lg):
-        """The captured work: the model on the static buffers, logits into self.logits."""
-        self.logits[:Bg] = decode_forward(self.model, self.pool, self.tok[:Bg], self.pos[:Bg],
-                                          self.keys[:Bg * Lg].view(Bg, Lg), self.valid[:Bg * Lg].view(Bg, Lg))
+        """The captured work: the model on the static buffers, logits into self.logits (per > 1: the trunk's hidden
+        states into self.trunk, and the logits from them, as Speculative.step's eager verify)."""
+        Rg = Bg * self.per
+        args = (self.model, self.pool, self.tok[:Rg], self.pos[:Rg], self.keys[:Rg * Lg].view(Rg, Lg),
+                self.valid[:Rg * Lg].view(Rg, Lg))
+        if self.per == 1:
+            self.logits[:Rg] = decode_forward(*args)
+            return
+        self.trunk[:Rg] = decode_forward(*args, hidden="trunk")
+        self.logits[:Rg] = self.model.lm_head(self.model.norm(self.trunk[:Rg]))
 
     def _capture(self, Bg, Lg):
         """Warm up, capture on a stream of our own (left whatever happens: a failed capture must not leave
         this thread on it), replay, and check the replay against the warm-up."""
-        dev = self.logits.device
+        dev, Rg = self.logits.device, Bg * self.per
         mem = self.memory[Bg, Lg] = _allocated(dev, "before", reserved=True, peak=True)
         self._forward(Bg, Lg)  # warm-up, and the reference this bucket's replay must reproduce
-        eager = self.logits[:Bg].clone()
+        eager = [t.clone() for t in self._outputs(Rg)]
         mem |= _allocated(dev, "after_warmup", peak=True)  # (with the reference copy, gone after the check)
         try:
             graph, main = torch.cuda.CUDAGraph(), torch.cuda.current_stream(dev)
-            side = self.stream = self.stream or torch.cuda.Stream(dev)
+            side = self.shared.stream = self.shared.stream or torch.cuda.Stream(dev)
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 graph.capture_begin(pool=self.mempool, capture_error_mode="thread_local")
@@ -139,23 +183,29 @@ class DecodeGraphs:
                     graph.capture_end()
             main.wait_stream(side)
             mem |= _allocated(dev, "after_capture", reserved=True)
-            self.mempool = graph.pool()
+            self.shared.mempool = graph.pool()
             graph.replay()
-            got = self.logits[:Bg]
-            tol = 4 * torch.finfo(eager.dtype).eps * eager.float().nan_to_num(0, 0, 0).abs().max().item()
-            same = torch.isclose(got.float(), eager.float(), rtol=0, atol=tol, equal_nan=True).all().item()
-            why = f"its replay's logits differ from eager by up to {(got.float() - eager.float()).abs().max().item():.3g}"
+            same, why = True, ""
+            for got, want in zip(self._outputs(Rg), eager):
+                tol = 4 * torch.finfo(want.dtype).eps * want.float().nan_to_num(0, 0, 0).abs().max().item()
+                if not torch.isclose(got.float(), want.float(), rtol=0, atol=tol, equal_nan=True).all().item():
+                    same, err = False, (got.float() - want.float()).abs().max().item()
+                    why = f"its replay's outputs differ from eager by up to {err:.3g}"
         except RuntimeError as e:
             same, why = False, f"{type(e).__name__}: {e}".splitlines()[0]
         mem["kept"] = bool(same)
         if same:
             self.graphs[Bg, Lg] = graph
             return
-        # Eager from now on. The graphs' memory goes back; this step runs again eagerly, which also rewrites
-        # the keys and values a bad replay may have written
-        self.failed, self.graphs, self.mempool = True, {}, None
+        # This set runs eagerly from now on. Its graphs' memory goes back (the pool with them, where no other set holds
+        # graphs in it); this step runs again eagerly, which also rewrites the keys and values a bad replay may have
+        # written
+        self.failed, self.graphs = True, {}
+        if not any(s.graphs for s in self.shared.sets):
+            self.shared.mempool = None
         self._forward(Bg, Lg)
-        warnings.warn(f"rollout.cuda_graphs: capturing the decode of {Bg} rows x {Lg} keys failed ({why}); "
+        what = f"the decode of {Bg} rows" if self.per == 1 else f"the verify of {Bg} rows x {self.per} tokens"
+        warnings.warn(f"rollout.cuda_graphs: capturing {what} x {Lg} keys failed ({why}); "
                       "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
 
 

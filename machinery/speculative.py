@@ -28,7 +28,10 @@ A row feeds at most left - 1 drafts (its last sampled token is never fed), and r
 last token only, as in a plain step (they ride along until the read); the unused verify rows are padding that
 reads and writes the pool's scratch slot alone, so the forward keeps one shape [B * (k + 1)]. The Scheduler
 (ahead=k) gives each row the blocks of its next k + 1 positions before the step; the engine learns how far
-each row moved at its one read per iteration (_read's pos).
+each row moved at its one read per iteration (_read's pos). With the engine's CUDA graphs on (rollout.cuda_graphs),
+the verify forward is a replay of a padded bucket (graphs.DecodeGraphs.verify: Bg >= B rows of k + 1 tokens, Lg keys,
+at most the call's longest as no row feeds a position past it; the padding rows again on the scratch slot alone),
+counted in graph_steps; the drafter's forwards (the MTP layer's k draft steps, its extend) run eagerly.
 
 The drafter (Drafter, below) is any object with draft(engine, rows, hidden, fresh, k) -> tokens [B, k] and
 extend(engine, rows, verify), and optionally prefill (its KV at a prefill's positions) and mtp_layers (the model's
@@ -204,14 +207,23 @@ class Speculative:
             fed = torch.cat((rows.last[:, None], drafts), 1)  # [B, k + 1]
             real = j[None] <= n[:, None]  # the verify rows fed; the others pad (scratch slot only)
             pos = torch.where(real, rows.pos[:, None] + j, 0)
-            keys, valid = key_slots(rows.table.repeat_interleave(k + 1, 0), pos.flatten(),
-                                    int(engine.sched.pos.max()) + k + 1)  # [B (k + 1), Lk], left-padded
+            graphs = engine.graphs.verify if engine.graphs is not None else None
+            graphs = graphs if graphs is not None and not graphs.failed and graphs.per == k + 1 else None
+            Lk = int(engine.sched.pos.max()) + k + 1
+            # a graph's bucket: more keys, but no more than the call's longest (no row feeds a position past it)
+            Bg, Lk = graphs.bucket(B, Lk) if graphs else (None, Lk)
+            keys, valid = key_slots(rows.table.repeat_interleave(k + 1, 0), pos.flatten(), Lk)  # [B (k + 1), Lk], left-padded
             pad = ~real.flatten()[:, None]
             keys, valid = torch.where(pad, engine.pool.scratch, keys), valid & ~pad
             valid[:, -1] |= pad[:, 0]  # a padding row sees its own (scratch) slot: finite, and nobody else's
-            trunk = decode_forward(engine.model, engine.pool, fed.flatten()[:, None], pos.flatten()[:, None], keys, valid,
-                                   hidden="trunk")  # [B (k + 1), hidden], before the final norm
-            logits = engine.model.lm_head(engine.model.norm(trunk))
+            if graphs:  # the padded bucket's replay (graphs.DecodeGraphs.verify; eager on a CPU): logits and trunk
+                logits = graphs.run(fed.flatten(), pos.flatten(), keys, valid, Bg)
+                trunk = graphs.trunk[:B * (k + 1)]  # (static buffers: used up before the next step's replay)
+                stats["graph_steps"] += 1
+            else:
+                trunk = decode_forward(engine.model, engine.pool, fed.flatten()[:, None], pos.flatten()[:, None], keys,
+                                       valid, hidden="trunk")  # [B (k + 1), hidden], before the final norm
+                logits = engine.model.lm_head(engine.model.norm(trunk))
             engine.step_version = engine.version
         noise = sample_keys(rows.seeds[:, None], rows.base[:, None] + rows.ngen[:, None] + j).flatten()
         y, lp = (t.view(B, k + 1) for t in sample_tokens(logits, engine.sampling, noise))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6", "7", "8"]
+PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6", "7", "8", "9"]
 CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "5", "6"]
 
 
@@ -38,7 +38,7 @@ def test_dry_run_plans_every_part_runs_the_cpu_ones_and_skips_the_cuda_ones(dry)
         assert f"---- part {part}:" in r.stdout  # planned: its command and timeout printed
     for part in CUDA_PARTS:
         assert f"SKIP part {part} (" in r.stdout and "needs CUDA" in r.stdout
-    assert status(out) == {p: "ok" if p in ("2", "3", "7", "8") else "skipped (needs CUDA)" for p in PARTS}
+    assert status(out) == {p: "ok" if p in ("2", "3", "7", "8", "9") else "skipped (needs CUDA)" for p in PARTS}
     # part 1's tests were found in tests/ (a skipif on CUDA, or a CUDA branch), and are named, not the suite
     assert "tests/test_engine.py::test_cuda_graph_replays_give_the_eager_tokens" in r.stdout
     assert "tests/test_model.py::test_cuda_attention_never_falls_back_to_the_math_kernel" in r.stdout
@@ -238,3 +238,25 @@ def test_moe_demo_bench_tabulates_replay_on_and_off(tmp_path):
     text = moe_demo.table(str(tmp_path), [0, 1])
     assert "| 0 | replay on | 10.0% -> 50.0% -> **60.0%** | 50.0% -> 50.0% | 0.980 | 0.0100 | 0.0200 | 1.50 | - |" in text
     assert "| mean (1) | replay on | **60.0%** | 50.0% |" in text and "replay off" not in text
+
+
+@pytest.mark.parametrize("p", [0.7, 0.3])
+def test_speculative_bench_accepts_at_the_controlled_rate(dry, p):
+    """bench/speculative.py --decode on a CPU (gpu.sh part 9's dry side, p = 0.7, 16 rows; here also p = 0.3, 8 rows):
+    the engine's measured acceptance (drafts accepted over drafts tested) is p within 0.1 (about 3 standard errors
+    at these counts; seeded, so the same every run), the tokens per row-verify are what that rate gives, and the
+    speculative call's tokens are the plain engine's (the bench asserts it, and that the engine accepted exactly the
+    oracle's leading matches: an exit otherwise)."""
+    from bench import speculative as bench_spec
+    if p == 0.7:
+        r, out = dry
+        assert status(out)["9"] == "ok", r.stdout[-3000:]
+        rows = json.loads((out / "9_speculative.json").read_text())["rows"]
+        assert "| 16 | 3 | 0.7 |" in (out / "summary.md").read_text()
+    else:
+        rows = bench_spec.main(["--decode", "--quick", "--p", str(p), "--rows", "8"])
+    (row,) = rows
+    assert abs(row["accept_rate"] - p) <= 0.1, row
+    # a row-verify emits its accepted drafts and one token: 1 + (p + p^2 + p^3) at k = 3 if no row were near its end
+    assert 1 < row["tokens_per_verify"] <= 1 + p + p * p + p ** 3 + 0.15, row
+    assert row["plain_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0

@@ -349,6 +349,8 @@ def graph_engine(model, capture, **kw):
     engine = TorchEngine(model, graphs=True, **kw)
     engine._open(SamplingParams(), 64, 63)
     engine.graphs.capture = capture
+    if engine.graphs.verify is not None:  # (a speculative engine's verify graphs)
+        engine.graphs.verify.capture = capture
     return engine
 
 

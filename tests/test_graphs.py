@@ -1,5 +1,6 @@
 """graphs.py: key_slots against the slots of a block table, the bucket shapes, the capture guard (torch.cuda's
-graph calls faked on a CPU) and the graphs' buffers against the memory plan. Graph replays against eager
+graph calls faked on a CPU), a speculative engine's verify graphs sharing the decode graphs' pool (the same fakes),
+and the graphs' buffers against the memory plan. Graph replays against eager
 decoding on a GPU, and engine runs through padded buckets: test_engine.py."""
 import contextlib
 
@@ -11,6 +12,20 @@ from machinery.engine import SamplingParams, TorchEngine
 from machinery.memory import memory_plan
 from model import BLOCK_SIZE, PagedKVCache
 from test_engine import graph_engine, tiny_model
+
+
+def fake_cuda(monkeypatch, Graph):
+    """torch.cuda's graph and stream calls, faked on a CPU: graphs of class Graph, streams that do nothing."""
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
 
 
 def test_graph_capture_falls_back_to_eager_on_a_bad_replay_or_an_error(monkeypatch):
@@ -34,19 +49,9 @@ def test_graph_capture_falls_back_to_eager_on_a_bad_replay_or_an_error(monkeypat
 
         def replay(self):
             pass
-
-    class Stream:
-        def __init__(self, device=None):
-            pass
-
-        def wait_stream(self, other):
-            pass
     sp = SamplingParams(temperature=1.0, max_new_tokens=12)
     ref = TorchEngine(tiny_model()).generate([[1, 2, 3], [4, 5]], sp, seed=5)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    fake_cuda(monkeypatch, Graph)
     capture = graphs_mod.DecodeGraphs._capture
     monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture", lambda g, Bg, Lg: captured.append((Bg, Lg)) or capture(g, Bg, Lg))
     for mode in ("stale", "nan", "raise"):
@@ -60,6 +65,60 @@ def test_graph_capture_falls_back_to_eager_on_a_bad_replay_or_an_error(monkeypat
         assert [c.token_ids for c in out] == [c.token_ids for c in ref]
         assert [x for c in out for x in c.logprobs] == pytest.approx([x for c in ref for x in c.logprobs], abs=1e-6)
     assert "RuntimeError: operation not permitted" in str(w[0].message)
+
+
+def test_verify_and_decode_graphs_share_one_pool_the_largest_bucket_first(monkeypatch):
+    """A speculative engine's two graph sets (DecodeGraphs and its .verify, k + 1 tokens a row), with torch.cuda faked on
+    a CPU by graphs whose replay runs the forward they saw captured: a speculative call, then a plain one (the adaptive
+    policy's first two). The very first capture is the verify set's largest bucket, on a new pool; every later one,
+    of either set, is on that pool; both sets keep their graphs, no warning, and each call's tokens are the plain
+    engine's. Then a verify capture that fails (a stale replay) turns the verify set alone eager, with one warning."""
+    from test_speculative import MODELS, Oracle
+    from machinery.speculative import Speculative
+    captured, last = [], []
+
+    class Graph:  # "captures" the forward it saw run (DecodeGraphs._forward), which its replay runs again
+        def capture_begin(self, pool=None, capture_error_mode="global"):
+            captured.append((pool, capture_error_mode))
+
+        def capture_end(self):
+            g, Bg, Lg = self.seen = last[-1]
+
+        def replay(self):  # (stale: a replay that leaves its logits at zero)
+            g, Bg, Lg = self.seen
+            g.logits.fill_(0.0) if stale else forward(g, Bg, Lg)
+
+        def pool(self):
+            return "pool"
+    fake_cuda(monkeypatch, Graph)
+    forward = graphs_mod.DecodeGraphs._forward
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "_forward", lambda g, Bg, Lg: last.append((g, Bg, Lg)) or forward(g, Bg, Lg))
+    capture = graphs_mod.DecodeGraphs._capture
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture", lambda g, Bg, Lg: captured.append((g.per, Bg, Lg))
+                        or capture(g, Bg, Lg))
+    model, k, sp, stale = MODELS["dense_dsa"](), 2, SamplingParams(temperature=1.0, max_new_tokens=12), False
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    ref = TorchEngine(model).generate(prompts, sp, seed=5)
+    engine = graph_engine(model, capture=True, max_batch=8, speculative=Speculative.of(model, k))
+    g, v = engine.graphs, engine.graphs.verify
+    assert v.per == k + 1 and v.shared is g.shared and g.trunk is None
+    assert v.trunk.shape == (8 * (k + 1), model.cfg.hidden_size) and v.tok.shape == (8 * (k + 1), 1)
+    for call in ("spec", "plain"):
+        before = engine.stats.get(f"{call}_calls", 0)
+        out = engine.generate(prompts, sp, seed=5)
+        assert engine.stats[f"{call}_calls"] == before + 1
+        assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+        assert [x for c in out for x in c.logprobs] == pytest.approx([x for c in ref for x in c.logprobs], abs=1e-5)
+    assert captured[0] == (k + 1, 8, 64) and captured[1] == (None, "thread_local")  # the largest forward, first
+    assert all(c == ("pool", "thread_local") for c in captured[3::2]) and len(captured) > 6
+    assert v.graphs and g.graphs and not v.failed and not g.failed and g.mempool == "pool"
+    assert {per for per, *_ in captured[::2]} == {1, k + 1}
+    stale = True  # a new engine: a verify capture gone wrong turns that set eager; the decode set still captures
+    engine = graph_engine(model, capture=True, max_batch=8, speculative=Speculative.of(model, k))
+    with pytest.warns(RuntimeWarning, match="capturing the verify of 8 rows x 3 tokens x 64 keys failed") as w:
+        out = engine.generate(prompts, sp, seed=5)
+    assert len(w) == 1 and engine.graphs.verify.failed and not engine.graphs.failed and engine.graphs.mempool is None
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
 
 
 def test_graph_buffers_are_what_the_memory_plan_counts():
@@ -84,6 +143,24 @@ def test_graph_buffers_are_what_the_memory_plan_counts():
         model.cfg, **{**dict(learner_gpus=1, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
                          trainable_indexer=False, reference=False, generator_batch=B, generator_max_len=S,
                          max_new_tokens=30, engine="torch")}).generator)
+
+
+def test_verify_graph_buffers_are_what_the_memory_plan_counts():
+    """A speculative engine's verify graphs (DecodeGraphs.verify): tokens and positions [B (k + 1)], key slots and masks
+    [B (k + 1), S], logits [B (k + 1), V] and the trunk's hidden [B (k + 1), h] in bf16, as --dry-run counts them; the
+    graphs' pool item is then the verify's forward."""
+    from test_speculative import MODELS
+    from machinery.speculative import Speculative
+    model, B, S, k = MODELS["dense_dsa"]().to(torch.bfloat16), 3, 40, 2
+    engine = TorchEngine(model, max_batch=B, graphs=True, speculative=Speculative.of(model, k))
+    engine._open(SamplingParams(), S, S - 10)
+    v, R = engine.graphs.verify, B * (k + 1)
+    real = sum(t.numel() * t.element_size() for t in (v.tok, v.pos, v.keys, v.valid, v.logits, v.trunk))
+    plan = dict(memory_plan(model.cfg, learner_gpus=1, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
+                            trainable_indexer=False, reference=False, generator_batch=B, generator_max_len=S,
+                            max_new_tokens=30, engine="torch", cuda_graphs=True, speculative_tokens=k).generator)
+    assert plan[f"CUDA graphs' verify inputs [{R}, {S}], logits [{R}, V] and trunk [{R}, h]"] == real
+    assert f"CUDA graphs' pool: a verify forward of {B} x {k + 1} rows + cuBLAS's workspace" in plan
 
 
 def test_key_slots_are_the_table_slots_of_each_rows_last_positions():

@@ -7,7 +7,8 @@ on a dense and an MLA + MoE model (DSA both), its KV against families/mtp.draft 
 trained MTP layer's drafts accepted far more often than an untrained one's. The adaptive policy (a run's): its choices
 against its statement, on injected figures and on an injected clock end to end (the faster mode, a probe every
 PROBE_EVERY calls, the figures against hand counts), plain calls on the plain path, and the MTP KV invariant in a
-speculative call after plain ones."""
+speculative call after plain ones. With graphs: the verify in padded buckets (eager on a CPU, replays on a GPU), the
+plain run's tokens and pool."""
 import copy
 import random
 from dataclasses import replace
@@ -16,11 +17,12 @@ import pytest
 import torch
 
 from families import mtp
+from machinery import graphs as graphs_mod
 from machinery import speculative as spec_mod
 from machinery.engine import SamplingParams, TorchEngine
 from machinery.speculative import PROBE_EVERY, Drafter, MTPDrafter, Speculative, accepted, sample_draft
 from model import BLOCK_SIZE, GLM, KVCache
-from test_engine import DSA3, run_session, tiny_model, tiny_moe
+from test_engine import DSA3, graph_engine, run_session, tiny_model, tiny_moe
 
 PROMPTS = [[5, 6, 7], [3, 4], [10, 11, 12, 13], [9, 8], [1, 2, 3, 4, 5, 6], [7]]
 SAMPLINGS = [SamplingParams(temperature=1.0, max_new_tokens=14),
@@ -105,6 +107,32 @@ def test_tokens_and_logprobs_are_the_plain_engines(k, p):
         engine = TorchEngine(model, max_batch=max_batch, speculative=Speculative(drafter, k))
         assert_same(engine.generate(PROMPTS, sampling, seed=3), want)
         assert len(engine.pool.free) == engine.pool.num_blocks and engine.stats["spec_verifies"] > 0
+
+
+@pytest.mark.parametrize("kind", ["oracle", "mtp"])
+def test_the_verify_runs_as_padded_graph_buckets(kind, monkeypatch):
+    """graphs=True (engine.graphs.verify; on a CPU the padded buckets run eagerly): every verify forward of a
+    speculative call runs as a bucket of (rows, keys), k + 1 forward rows a row, and the tokens and logprobs are the
+    plain engine's and speculation-without-graphs'. Padding rows and left-padded keys are both exercised: 3 rows as 4
+    (16 forward rows for 12), key lists as 8, 16 and 20 slots (the call's longest)."""
+    monkeypatch.setattr(graphs_mod, "GRAPH_MIN_KEYS", 8)
+    seen, run = [], graphs_mod.DecodeGraphs.run
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "run", lambda g, tok, pos, keys, valid, Bg:
+                        seen.append((g.per, len(tok), Bg, keys.shape[1])) or run(g, tok, pos, keys, valid, Bg))
+    k, sampling = 3, SAMPLINGS[0]
+    model = MODELS["dense_dsa"]() if kind == "mtp" else tiny_model(DSA3).eval()
+    want = plain_run(model, sampling)
+    plain = {i: c.token_ids for i, c in enumerate(want)}
+    runs = [TorchEngine(model, max_batch=4, graphs=graphs, speculative=Speculative.of(model, k) if kind == "mtp" else
+                        Speculative(Oracle(plain, 0.7), k)) for graphs in (False, True)]
+    eager, got = (engine.generate(PROMPTS, sampling, seed=3) for engine in runs)
+    assert_same(got, want)
+    assert_same(got, eager)
+    s = runs[1].stats
+    assert s["graph_steps"] == len(seen) == s["spec_verifies"] > 0 and runs[0].stats["graph_steps"] == 0
+    assert all(per == k + 1 and R % (k + 1) == 0 and R <= Bg * (k + 1) for per, R, Bg, _ in seen)
+    assert (k + 1, 3 * (k + 1), 4, 16) in seen and {w for *_, w in seen} == {8, 16, 20}
+    assert len(runs[1].pool.free) == runs[1].pool.num_blocks
 
 
 def test_a_planted_bug_in_the_acceptance_rule_is_caught(monkeypatch):
@@ -203,11 +231,13 @@ def parked_pools(engine, prompts, sampling):
     return [outs[i] for i in range(len(prompts))], pools
 
 
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("moe", [False, True])
-def test_the_pool_and_routes_equal_a_plain_runs(moe):
+def test_the_pool_and_routes_equal_a_plain_runs(moe, graphs):
     """The pool at every slot of every parked trajectory's blocks (keys, values or MLA latents, DSA indexer keys,
     MoE routes), as a plain run leaves it: its positions' contents equal, the rest fresh (rejected drafts cleared);
-    and the completions' routes (the verify forward's) equal the plain run's."""
+    and the completions' routes (the verify forward's) equal the plain run's. graphs: the verify in padded buckets
+    (its padding rows write the scratch slot only)."""
     model = tiny_moe() if moe else tiny_model(DSA3).eval()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=13)
     free = parked_pools(TorchEngine(model, max_batch=8), PROMPTS, sampling)[0]
@@ -216,8 +246,8 @@ def test_the_pool_and_routes_equal_a_plain_runs(moe):
     want, want_pool = parked_pools(TorchEngine(model, max_batch=8), PROMPTS, sampling)
     assert sum(c.finish_reason == "stop" for c in want) >= 2
     plain = {i: c.token_ids for i, c in enumerate(want)}
-    got, got_pool = parked_pools(TorchEngine(model, max_batch=8, speculative=Speculative(Oracle(plain, 0.8), 3)),
-                                 PROMPTS, sampling)
+    got, got_pool = parked_pools(TorchEngine(model, max_batch=8, graphs=graphs,
+                                             speculative=Speculative(Oracle(plain, 0.8), 3)), PROMPTS, sampling)
     assert_same(got, want)
     for key in want_pool:
         for a, b in zip(got_pool[key], want_pool[key]):
@@ -334,6 +364,24 @@ def test_the_mtp_drafter_gives_the_plain_engines_tokens(kind, k):
             assert all(torch.equal(a.routes, b.routes) for a, b in zip(got, want))
         assert len(engine.pool.k) == model.cfg.num_layers + 1 and engine.stats["spec_drafts"] > 0
         assert len(engine.pool.free) == engine.pool.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_cuda_verify_graph_replays_give_the_eager_buckets_tokens(kind, monkeypatch):
+    """On a GPU, bf16, the MTP drafter: speculative calls whose verify forwards replay captured graphs give exactly the
+    tokens and logprobs of the same padded buckets run eagerly (capture=False), and every verify bucket passes the
+    capture guard (graphs kept, none failed)."""
+    monkeypatch.setattr(graphs_mod, "GRAPH_MIN_KEYS", 8)
+    sp, prompts, outs = SamplingParams(temperature=1.0, max_new_tokens=20), PROMPTS * 2, []
+    model = MODELS[kind]().to("cuda", torch.bfloat16)
+    for capture in (False, True):
+        engine = graph_engine(model, capture, max_batch=5, speculative=Speculative(MTPDrafter(), 3))
+        outs.append(engine.generate(prompts, sp, seed=9))
+    v = engine.graphs.verify
+    assert not v.failed and len(v.graphs) >= 3 and engine.stats["graph_steps"] == engine.stats["spec_verifies"]
+    assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
+    assert [c.logprobs for c in outs[0]] == [c.logprobs for c in outs[1]]
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
