@@ -29,6 +29,16 @@ SwiGLU and each MoE layer's shared experts (gate_proj, up_proj, down_proj). Two 
     also keeps the experts' choice as the warm-up stages left it (routing replay then replays the generator's
     choice of that same router).
 
+The MTP layers (model.mtp_layers, families/mtp.py): their decoder block's linears get adapters as the decoder's
+do; their glue (eh_proj, enorm, hnorm, shared_head.norm) stays frozen with the base, and so do the embedding and
+head they share with the main model. In RL the MTP loss trains those adapters alone (mtp_loss detaches the trunk,
+and parallel.optimizer_step clips the parameters named mtp.* apart), GRPO the decoder's. They travel with every
+publish like the others (adapter_named), so the engine drafts with the trained MTP layer. In peft's layout they go
+under the name the published checkpoints give the layer, model.layers.{L + j}.* (model.hf_name, as the MTP layer's
+base weights are saved): transformers' models have no MTP layer, and peft loading the file onto one leaves them
+aside, as transformers leaves the layer's base weights; load_model reads them back onto our MTP layers, and the
+merged export merges them into the MTP layer it writes.
+
 What sharing the base buys: the adapters are megabytes where the model is gigabytes, so a publish moves the
 adapters alone, a checkpoint holds adapters and their optimizer state, and the KL reference is the same model
 with its adapters switched off (`disabled`), at no memory. Adapters are saved in peft's layout
@@ -49,7 +59,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import FP32_PARAMS
+from model import FP32_PARAMS, hf_name
 
 # Every linear layer of a decoder block, by module name: GLM-4's, then the MoE families' MLA projections and SwiGLU
 # (dense layers and shared experts: gate_proj, up_proj, down_proj). The indexer's (dsa.Indexer), lm_head, the MoE
@@ -233,13 +243,17 @@ PEFT_PREFIX = "base_model.model.model."  # peft's PeftModel > Glm4ForCausalLM > 
 
 
 def peft_name(name: str) -> str:
-    """Our adapter name (layers.0.self_attn.q_proj.lora_A) -> peft's key on Glm4ForCausalLM."""
-    return PEFT_PREFIX + name + ".weight"
+    """Our adapter name (layers.0.self_attn.q_proj.lora_A) -> peft's key on Glm4ForCausalLM; an MTP layer's
+    (mtp.{L}.self_attn.q_proj.lora_A) under the layer's published name, model.layers.{L}.* (model.hf_name)."""
+    return "base_model.model." + hf_name(name) + ".weight"  # (PeftModel > Glm4ForCausalLM: PEFT_PREFIX's first two)
 
 
-def our_adapter_name(key: str) -> str:
-    """peft's key -> our adapter name (peft_name's inverse)."""
-    return key.removeprefix(PEFT_PREFIX).removesuffix(".weight")
+def our_adapter_name(key: str, num_layers: int) -> str:
+    """peft's key -> our adapter name (peft_name's inverse): layers.{i} from num_layers on are the MTP layers."""
+    name = key.removeprefix(PEFT_PREFIX).removesuffix(".weight")
+    if name.startswith("layers.") and int(name.split(".")[1]) >= num_layers:
+        return "mtp." + name.removeprefix("layers.")
+    return name  # (a decoder layer's, or mtp.{i}.*: how files written before that naming spell an MTP layer's)
 
 
 def write_adapters(model, folder, base_model: str | None = None):
@@ -299,7 +313,8 @@ def load_model(path, load):
     model = load(base_dir(path))
     targets = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in c["target_modules"]))  # (qualified: MoE families)
     add(model, LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], targets=targets))
-    load_adapters(model, {our_adapter_name(k): t for k, t in load_file(os.path.join(path, ADAPTERS)).items()})
+    tensors = load_file(os.path.join(path, ADAPTERS))
+    load_adapters(model, {our_adapter_name(k, model.cfg.num_layers): t for k, t in tensors.items()})
     return model
 
 

@@ -2,16 +2,25 @@
 reach the adapters only, kept in fp32 under autocast; disabled() is the base; the fp32 merge is the adapted
 layer; the peft layout loads with peft onto transformers' Glm4ForCausalLM and gives our logits. The MoE families:
 adapters on MLA's projections, dense and shared MLPs only (not the router or the routed experts), the LoRA forward
-equals the merged model's, save/load and the merged export (experts per expert), peft onto Glm4MoeLiteForCausalLM."""
+equals the merged model's, save/load and the merged export (experts per expert), peft onto Glm4MoeLiteForCausalLM.
+With an MTP layer: an rl_step trains the policy's adapters by GRPO alone and the MTP layer's by the MTP loss alone
+(a float64 reference), each clipped apart; a publish gives the engine's drafter the trained MTP layer; its adapters
+are saved under the layer's published name, round trip, merge into the exported MTP layer, and peft leaves them aside."""
+import copy
 import json
+import os
 
 import pytest
 import torch
 
-from machinery import lora
+import train
+from families import mtp
+from grpo import KLGuard
+from machinery import config, lora, parallel
 from machinery.lora import LoRAConfig
 from families.mla_moe import Routing
 from model import GLM, GLMConfig
+from rollout import RolloutBatch, Sample
 
 DSA = {"topk": 4, "heads": 2, "head_dim": 8, "rope_dim": 4, "pattern": "FS"}
 
@@ -306,3 +315,192 @@ def test_an_moe_engine_decodes_unmerged_lora_as_the_full_forward():
     chosen = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
     assert (logp.max(-1).values - chosen <= 1e-6).all()
     assert out.logprobs == pytest.approx(chosen.tolist(), abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- LoRA with an MTP layer
+# A tiny dense model (DSA where said) with one MTP layer (model.mtp_layers 1: layer 2, families/mtp.py) under
+# model.lora: its block's linears get adapters as the decoder's do, its glue (eh_proj, the norms) stays frozen. What
+# trains in an RL step (the policy's adapters by GRPO, the MTP layer's by the MTP loss, each clipped apart), what a
+# publish gives the engine's drafter, and what a checkpoint and the merged export keep of them.
+
+MTP_ADAPTED = {f"mtp.2.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                      "mlp.gate_up_proj", "mlp.down_proj")}  # written out from GLM-4's block
+
+
+def tiny_mtp(dsa=None, seed=0):
+    """tiny(dsa) with one MTP layer, every weight perturbed (sharper probabilities, an MTP layer that drafts)."""
+    torch.manual_seed(seed)
+    model = GLM(GLMConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                          head_dim=8, attention_bias=True, dsa=dsa, mtp_layers=1))
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def mtp_batch(model, temperature):
+    """A GRPO batch of 3 groups of 2 from random prompts and responses; gen_logprobs the model's own (on-policy)."""
+    g = torch.Generator().manual_seed(5)
+    samples = []
+    for i in range(6):
+        prompt = torch.randint(2, 50, (3 + i % 3,), generator=g).tolist()
+        response = torch.randint(2, 50, (4 + i % 4,), generator=g).tolist()
+        with torch.no_grad():
+            logp, _, _, _ = train.packed_forward(model, [(prompt + response, [(len(prompt), len(response))])], temperature)
+        samples.append(Sample(prompt, response, logp.tolist(), float(i % 3 == 0), i // 2, (0, 0), "length", {}))
+    return RolloutBatch(samples, index=0, stream_state={}, metrics={})
+
+
+def rl_config(**overrides):
+    """The default run's config with model.lora on (rank 4, alpha 8, as these tests' adapters) and overrides."""
+    tiny_cpu = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_cpu.yaml")
+    overrides = {"model.lora": "{rank: 4, alpha: 8.0}", "rollout.temperature": 0.7} | overrides
+    return config.load_config(tiny_cpu, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_under_lora_the_mtp_layers_adapters_train_by_the_mtp_loss_alone_and_clip_apart():
+    """An actual rl_step (train.adamw, as train_rl builds it): the trainable parameters are the adapters alone,
+    the MTP block's among them (MTP_ADAPTED), never eh_proj or a norm; the policy's adapters get the gradient of a
+    step with model.mtp_loss_scale 0 (GRPO's: the trunk detached), the MTP layer's the gradient of mtp_loss over the
+    batch's packed row (a float64 reference) at scale > 0 and none at 0; with a tight optim.grad_clip each part is
+    scaled by its own norm (parallel.optimizer_step clips mtp.* apart). No other weight moves."""
+    model = trained(lora.add(tiny_mtp(), LoRAConfig(rank=4, alpha=8.0)))
+    adapters = {n for n, _ in lora.adapter_named(model)}
+    assert {n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear) and n.startswith("mtp.")} == MTP_ADAPTED
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == adapters
+    batch = mtp_batch(model, 0.7)
+    grads, metrics = {}, {}
+    for scale, clip in ((0.2, 1e9), (0.0, 1e9), (0.2, 1e-3), (0.0, 1e-3)):
+        learner = copy.deepcopy(model)
+        cfg = rl_config(**{"model.mtp_loss_scale": scale, "optim.grad_clip": clip})
+        optimizer = train.adamw(cfg, learner, lora.rl_lr(cfg), cfg.optim.weight_decay)
+        metrics[scale, clip] = train.rl_step(cfg, learner, None, optimizer, KLGuard(), batch, version=0)
+        assert metrics[scale, clip]["train/skipped"] == 0.0
+        grads[scale, clip] = {n: p.grad for n, p in learner.named_parameters()}
+        after = dict(learner.named_parameters())
+        for n, p in model.named_parameters():  # only adapters with a gradient move (AdamW skips the others)
+            assert torch.equal(after[n], p) == (n not in adapters or (scale == 0 and n.startswith("mtp."))), n
+    policy = sorted(n for n in adapters if not n.startswith("mtp."))
+    drafter = sorted(n for n in adapters if n.startswith("mtp."))
+    for clip in (1e9, 1e-3):
+        g0, g = grads[0.0, clip], grads[0.2, clip]
+        assert all(g[n] is None and g0[n] is None for n in grads[0.0, clip] if n not in adapters)
+        assert all(g0[n] is None for n in drafter) and all(g[n].abs().max() > 0 for n in drafter)
+        for n in policy:  # the policy's gradient is GRPO's alone
+            assert g0[n].abs().max() > 0, n
+            torch.testing.assert_close(g[n], g0[n], rtol=1e-5, atol=1e-8)
+    # The MTP adapters' gradient: mtp_loss over the samples packed in one row (one micro-batch), in float64
+    ref = copy.deepcopy(model).double()
+    rows = [s.row() for s in batch.samples]
+    ids = torch.tensor([t for seq, _ in rows for t in seq])[None]
+    pos = torch.cat([torch.arange(len(seq)) for seq, _ in rows])[None]
+    mask, at = torch.zeros_like(ids, dtype=torch.bool), 0
+    for seq, spans in rows:
+        for a, n in spans:
+            mask[0, at + a:at + a + n] = True
+        at += len(seq)
+    trunk = ref(ids, position_ids=pos, return_hidden="trunk")
+    mtp.mtp_loss(ref, trunk, ids, mask, pos, detach_trunk=True, scale=0.2, temperature=0.7).backward()
+    assert all(p.grad is None for n, p in ref.named_parameters() if not n.startswith("mtp."))
+    for n in drafter:
+        torch.testing.assert_close(grads[0.2, 1e9][n].double(), ref.get_parameter(n).grad, rtol=1e-4, atol=1e-7)
+    # Clipped apart: each part's norm reported and each scaled by clip / its own norm (torch's clip_grad_norm_)
+    for scale in (0.2, 0.0):
+        whole, tight = grads[scale, 1e9], grads[scale, 1e-3]
+        for names, key in ((policy, "train/grad_norm"), (drafter if scale else [], "train/mtp_grad_norm")):
+            norm = float(torch.cat([whole[n].double().flatten() for n in names]).norm()) if names else 0.0
+            assert metrics[scale, 1e-3][key] == pytest.approx(norm, rel=1e-5)
+            for n in names:
+                torch.testing.assert_close(tight[n], whole[n] * (1e-3 / (norm + 1e-6)), rtol=1e-5, atol=1e-12)
+
+
+def test_a_publish_gives_the_engines_mtp_drafter_the_trained_adapters(tmp_path):
+    """make_engine from the run's base with model.lora and a drafter (rollout.speculative_tokens): the publish of RL
+    (parallel.full_weights: adapters only) carries the MTP layer's adapters too, and after it the engine's MTP layer
+    is the learner's: each adapted linear's merged weight equal (it was not before), the glue the base's, and its
+    drafts (families/mtp.draft) those of a float64 merge of the learner's. The engine then speculates with it."""
+    from machinery.engine import SamplingParams, make_engine
+    tiny_mtp().save_pretrained(str(tmp_path / "base"))
+    learner = trained(lora.add(tiny_mtp(), LoRAConfig(rank=4, alpha=8.0)))
+    cfg = rl_config(**{"rollout.speculative_tokens": 2, "rollout.max_batch": 4})
+    engine = make_engine(cfg.rollout, str(tmp_path / "base"), "cpu", dsa=None, seed=0, lora_cfg=cfg.model.lora, mtp=1)
+    assert engine.spec is not None and engine.model.cfg.mtp_layers == 1
+    ours, theirs = dict(learner.named_modules()), dict(engine.model.named_modules())
+    assert not any(torch.equal(lora.merged_weight(theirs[n]), lora.merged_weight(ours[n])) for n in MTP_ADAPTED)
+    sent = list(parallel.full_weights(learner, engine.dtype))
+    assert {n for n, _ in sent} == {n for n, _ in lora.adapter_named(learner)} >= {f"{m}.lora_{x}" for m in MTP_ADAPTED
+                                                                                   for x in "AB"}
+    engine.update_weights(sent, version=1)
+    for n in MTP_ADAPTED:
+        assert torch.equal(lora.merged_weight(theirs[n]), lora.merged_weight(ours[n])), n
+    state = engine.model.state_dict()
+    assert all(torch.equal(state[n], t) for n, t in learner.state_dict().items() if n.startswith("mtp."))
+    full, _ = lora.merged(copy.deepcopy(learner).double(), torch.float64)
+    ids = torch.tensor([[3, 9, 27, 4, 11, 8, 30]])
+    with torch.no_grad():
+        hidden = full(ids[:, :-1], return_hidden="trunk")
+        want, _ = mtp.draft(full, hidden, ids[:, 1:])
+        got, _ = mtp.draft(engine.model, hidden.float(), ids[:, 1:])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    engine.generate([[3, 9, 27, 4], [5, 6]], SamplingParams(temperature=0, max_new_tokens=8))
+    assert engine.stats["spec_drafts"] > 0
+
+
+def test_mtp_adapters_are_saved_under_the_layers_published_name_and_round_trip_and_merge(tmp_path):
+    """save_adapters writes the MTP layer's adapters in peft's layout under the name the published checkpoints give
+    the layer (model.layers.2.*, as its base weights are saved), none under ours (mtp.2.*); load_model (resume)
+    reads them back onto the MTP layer bit for bit (and a file naming them mtp.2.* still loads); the merged export
+    writes the MTP layer as W + scale B A (a float64 merge) and drafts as the adapted layer does."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    model = trained(lora.add(tiny_mtp(DSA), LoRAConfig(rank=4, alpha=8.0)))  # (the MTP block's indexer: no adapters)
+    run = tmp_path / "run"
+    tiny_mtp(DSA).save_pretrained(str(run / lora.BASE))
+    (run / "checkpoints").mkdir()
+    step = str(run / "checkpoints" / "step_000001")
+    lora.save_adapters(model, step, base_model=str(run / lora.BASE))
+    saved = load_file(os.path.join(step, lora.ADAPTERS))
+    assert {k for k in saved if ".layers.2." in k} == {f"base_model.model.model.layers.2.{m[6:]}.lora_{x}.weight"
+                                                        for m in MTP_ADAPTED for x in "AB"}  # (m[6:]: mtp.2. off)
+    assert not any("mtp" in k for k in saved) and len(saved) == len(lora.adapter_named(model))
+    ids = torch.tensor([[3, 9, 27, 4, 11, 8, 30]])
+
+    def drafts(m):  # the MTP layer's logits on the model's own trunk
+        with torch.no_grad():
+            return mtp.draft(m, m(ids[:, :-1], return_hidden="trunk"), ids[:, 1:])[0]
+    for file in (None, "mtp"):
+        if file == "mtp":  # the file as written before the MTP adapters took the layer's published name
+            save_file({k.replace(".layers.2.", ".mtp.2."): t for k, t in saved.items()}, os.path.join(step, lora.ADAPTERS))
+        back = lora.load_model(step, GLM.from_pretrained)
+        assert [n for n, _ in lora.adapter_named(back)] == [n for n, _ in lora.adapter_named(model)]
+        assert all(torch.equal(p, q) for (_, p), (_, q) in zip(lora.adapter_named(back), lora.adapter_named(model)))
+        assert torch.equal(drafts(back), drafts(model))
+    out = tmp_path / "merged"
+    lora.main(["merge", step, str(out)])
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        exported = f.get_tensor("model.layers.2.self_attn.q_proj.weight")
+    assert not any("lora" in n for n in names) and "model.layers.2.eh_proj.weight" in names
+    m = model.mtp["2"].self_attn.q_proj
+    with torch.no_grad():
+        ref = m.weight.double() + m.lora_scale * m.lora_B.double() @ m.lora_A.double()
+    assert not torch.allclose(m.weight.double(), ref, atol=1e-3)
+    torch.testing.assert_close(exported.double(), ref, rtol=1e-6, atol=1e-6)
+    want = drafts(model)
+    assert ((drafts(GLM.from_pretrained(str(out))) - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_peft_loads_the_adapters_of_a_model_with_an_mtp_layer_onto_transformers_glm4(tmp_path):
+    """transformers' Glm4ForCausalLM has no MTP layer: loading the base it leaves model.layers.2.* aside, and peft
+    loading our adapters leaves the MTP layer's aside alike; the logits are our LoRA model's (fp32)."""
+    peft = pytest.importorskip("peft")
+    from transformers import Glm4ForCausalLM
+    model = trained(lora.add(tiny_mtp(), LoRAConfig(rank=4, alpha=8.0)))
+    tiny_mtp().save_pretrained(str(tmp_path / "base"))
+    lora.save_adapters(model, str(tmp_path / "adapter"), base_model=str(tmp_path / "base"))
+    base = Glm4ForCausalLM.from_pretrained(str(tmp_path / "base"), torch_dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        got, want = hf(IDS).logits, model(IDS)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
