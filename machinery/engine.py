@@ -91,8 +91,8 @@ class TorchEngine:
     Host work: the rows' state stays on the device (_Rows), an iteration reads back only their status and counts, once,
     and a finished row's tokens travel in bulk, landing by the next iteration's read. graphs=True: the decode forward runs
     as a CUDA graph of a padded bucket (graphs.DecodeGraphs); speculative (speculative.py): k drafts verified per forward
-    (with graphs, that forward too: DecodeGraphs.verify), in the calls it chooses (decided in _open: the whole call
-    speculates, or the whole call runs the plain path).
+    (with graphs, that forward and the MTP draft step too: DecodeGraphs.verify and .draft), in the calls it chooses
+    (decided in _open: the whole call speculates, or the whole call runs the plain path).
 
     Sampling is per request (sample_tokens: noise from a hash of the request's seed and step), so a fixed
     seed gives the same tokens whatever the batch, retraction or re-prefill. Calls take turns (`call_lock`):
@@ -278,7 +278,8 @@ class TorchEngine:
         if self.use_graphs and (self.graphs is None or self.graphs.max_keys < longest or self.graphs.rows[-1] != self.max_batch):
             self.graphs = None
             self.graphs = DecodeGraphs(self.model, self.pool, self.max_batch, longest, capture=self.device.type == "cuda",
-                                       verify=self.spec.k + 1 if self.spec else 0)  # (speculative.py's verify forward)
+                                       verify=self.spec.k + 1 if self.spec else 0,  # (speculative.py's verify forward,
+                                       draft=bool(self.spec and self.spec.drafter.mtp_layers))  # and the MTP draft step)
         on = self.spec.open(self.stats) if self.spec else False  # the whole call speculates, or none of it does
         self.call_spec, self.ahead = (self.spec, self.spec.k) if on else (None, 0)
         self.pool.free = list(range(self.pool.num_blocks - 1, -1, -1))

@@ -4,13 +4,15 @@ of padded buckets (DecodeGraphs). TorchEngine (engine.py) builds each row's key 
 calls decode_forward for its eager decode steps and for the rows of a turn that extends parked KV; with
 graphs on, a decode step goes through DecodeGraphs.run instead (on a CPU, in tests, the same padded buckets
 run eagerly). A speculative engine's verify forward (speculative.py: k + 1 tokens a row) runs as DecodeGraphs.verify, a
-second set of the same buckets on the same memory pool.
+second set of the same buckets on the same memory pool, and its MTP drafter's draft step (draft_forward, one chained step)
+as DecodeGraphs.draft, a third.
 """
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from families import mtp
 from model import BLOCK_SIZE, GLM, PagedKVCache
 
 
@@ -23,6 +25,22 @@ def decode_forward(model, pool: PagedKVCache, tokens, pos, keys, valid, hidden=F
         return model(tokens, position_ids=pos, cache=pool, return_hidden=hidden)[:, -1]
     finally:  # the next forward (a prefill) must not see them
         pool.keys = None
+
+
+def draft_forward(model, pool: PagedKVCache, hidden, tokens, pos, keys, valid):
+    """One MTP draft step over the paged pool (speculative.py's MTPDrafter.draft): the model's first MTP layer (its KV:
+    the pool's layer L) at one position per row, reading hidden [B, hidden] (the trunk's at pos, or the layer's own
+    output at the position before) and tokens [B, 1] (the token after pos [B, 1]), with keys, valid [B, Lk] as
+    decode_forward's -> logits [B, V] (its head's, from which the next draft is sampled) and the layer's output
+    [B, hidden] (before shared_head.norm: the next chained step's hidden)."""
+    layer = model.mtp[str(model.cfg.num_layers)]
+    embed, head = mtp.embed_and_head(model, layer)
+    pool.keys, pool.key_valid, pool.slots = keys, valid, keys[:, -1]
+    try:
+        out = layer.body(embed, hidden[:, None], tokens, pos, cache=pool)[:, -1]
+    finally:  # the next forward (a prefill) must not see them
+        pool.keys = None
+    return head(layer.shared_head.norm(out)), out
 
 
 def key_slots(table, pos, Lk: int):
@@ -45,7 +63,9 @@ GRAPH_MIN_KEYS = 256
 
 @dataclass
 class _Shared:
-    """What an engine's graph sets share: one memory pool and one capture stream (steps never overlap)."""
+    """What an engine's graph sets share: one memory pool and one capture stream (steps never overlap), and whether
+    they capture (DecodeGraphs.capture: one device)."""
+    capture: bool = False
     mempool: tuple | None = None  # the pool's handle (CUDAGraph.pool()), once a capture has made it
     stream: "torch.cuda.Stream | None" = None
     sets: list = field(default_factory=list)  # the DecodeGraphs on it
@@ -70,17 +90,24 @@ class DecodeGraphs:
     verify=k + 1 makes that set too, as .verify (the same rows, keys and capture), sharing its memory pool and
     capture stream (_Shared): the pool holds the larger of the two forwards, not both.
 
+    mtp=True (speculative.py's MTPDrafter, one chained draft step: draft_forward): a bucket of Bg rows runs the model's
+    first MTP layer at one position per row, reading a hidden state per row too, from self.hidden [max_batch, hidden]
+    (a padding row's: zeros), and leaves its head's logits in self.logits and the layer's output, which the next
+    chained step reads as its hidden, in self.out [max_batch, hidden]. A DecodeGraphs made with draft=True makes that
+    set too, as .draft, on the same memory pool and capture stream; its forward is one layer's, the smallest of the three.
+
     A bucket is captured on the first step that needs it: an eager run of the same padded inputs (Triton
     compiles its kernels, cuBLAS picks its algorithms), the capture, then a replay whose outputs must match
     the eager run's to a few roundings (a guard against a capture gone wrong: on a mismatch, or an error
     while capturing, the set's graphs are dropped (and the pool, where no set has graphs left), the step runs again
     eagerly, rewriting any keys a bad replay wrote, and that set runs eagerly from then on, with a warning). The very
-    first capture on a pool is of the largest bucket of its largest set (the verify's where there is one), all padding
-    rows, so that every later one reuses its memory. Captures
+    first capture on a pool is of the largest bucket of its largest set (the verify's where there is one, then the
+    decode's, then the draft step's), all padding rows, so that every later one reuses its memory. Captures
     run on a stream of the engine's GPU and their errors are thread-local: the learner's thread beside it
     keeps its own GPU (torch.cuda.graph would also empty every device's allocator cache). Weight updates
     copy in place, so graphs stay valid; a new pool (a call with longer sequences) or max_batch gets new
-    graphs. With capture=False (a CPU, in tests) the same padded forward runs eagerly.
+    graphs. With capture=False (a CPU, in tests; one flag for all the sets on a pool) the same padded forward runs
+    eagerly.
 
     `memory` is a diagnostic for the memory plan (bench/gpu_memory.py prints it): per bucket (Bg, Lg) captured,
     the allocator's figures in bytes around it, read from its counters without a sync or a reset: allocated and
@@ -88,8 +115,8 @@ class DecodeGraphs:
     warm-up's own peak where that rose), allocated and reserved after the capture, and whether the bucket was kept."""
 
     def __init__(self, model: GLM, pool: PagedKVCache, max_batch: int, max_keys: int, capture: bool, verify: int = 0,
-                 per: int = 1, shared: _Shared | None = None):
-        self.model, self.pool, self.capture, self.max_keys, self.per = model, pool, capture, max_keys, per
+                 per: int = 1, shared: _Shared | None = None, draft: bool = False, mtp: bool = False):
+        self.model, self.pool, self.max_keys, self.per, self.mtp = model, pool, max_keys, per, mtp
         self.rows = sorted({b for b in (1, 2, 4, 8) if b < max_batch} | set(range(GRAPH_ROW_STEP, max_batch, GRAPH_ROW_STEP))
                            | {max_batch})
         R, dev, long = max_batch * per, pool.k[0].device, dict(dtype=torch.long, device=pool.k[0].device)  # forward rows
@@ -98,15 +125,28 @@ class DecodeGraphs:
         self.valid = torch.zeros(R * max_keys, dtype=torch.bool, device=dev)
         self.logits = torch.zeros(R, model.cfg.vocab_size, dtype=pool.k[0].dtype, device=dev)
         self.trunk = torch.zeros(R, model.cfg.hidden_size, dtype=pool.k[0].dtype, device=dev) if per > 1 else None
+        # mtp: the draft step's hidden in and out [max_batch, hidden] (out: another buffer, as the next step reads it)
+        self.hidden, self.out = ([torch.zeros(R, model.cfg.hidden_size, dtype=pool.k[0].dtype, device=dev)
+                                  for _ in range(2)] if mtp else (None, None))
         # One side stream for every capture: cuBLAS keeps a workspace (32 MiB on Hopper) per stream, and the caching
         # allocator reuses a freed block only on the stream that freed it, so a new stream per capture made each
         # bucket keep its own workspace in the pool (measured on an H100: 0.031 GiB and 0.06 GiB reserved a bucket;
         # with one stream the later buckets add nothing)
         self.graphs, self.failed, self.shared = {}, False, shared or _Shared()
         self.shared.sets.append(self)
+        self.capture = capture
         self.memory = {}  # (Bg, Lg) -> bytes around its capture (the docstring's last paragraph)
         self.verify = (DecodeGraphs(model, pool, max_batch, max_keys, capture, per=verify, shared=self.shared)
                        if verify else None)
+        self.draft = DecodeGraphs(model, pool, max_batch, max_keys, capture, shared=self.shared, mtp=True) if draft else None
+
+    @property
+    def capture(self):  # whether the sets on this pool capture (False: their padded forwards run eagerly)
+        return self.shared.capture
+
+    @capture.setter
+    def capture(self, on: bool):
+        self.shared.capture = on
 
     @property
     def mempool(self):  # the shared memory pool's handle (None: no capture holds one)
@@ -120,22 +160,26 @@ class DecodeGraphs:
             Lg *= 2
         return Bg, min(Lg, self.max_keys)
 
-    def run(self, tok, pos, keys, valid, Bg):
+    def run(self, tok, pos, keys, valid, Bg, hidden=None):
         """tok, pos [R]; keys, valid [R, Lg] (a bucket's width), R = B per forward rows of B rows -> logits [R, V] of
-        the padded forward (per > 1: the trunk's hidden states [R, hidden] in self.trunk[:R])."""
+        the padded forward (per > 1: the trunk's hidden states [R, hidden] in self.trunk[:R]; mtp: hidden [R, hidden]
+        the rows' hidden states in, the layer's output in self.out[:R])."""
         R, Lg = keys.shape
         Rg = Bg * self.per
         while self.capture and not self.failed and self.mempool is None:
             # The first capture on the pool: the largest bucket of the largest set that has not failed, all padding
             # rows: every later capture then fits in the memory it freed, and the graphs' pool stays one largest forward
-            # (the memory plan's figure). (A failed set drops out, and the next largest goes first.)
-            big = max((s for s in self.shared.sets if not s.failed), key=lambda s: s.per)
+            # (the memory plan's figure). (A failed set drops out, and the next largest goes first; the draft step,
+            # one layer, is smaller than the decode's forward.)
+            big = max((s for s in self.shared.sets if not s.failed), key=lambda s: (s.per, not s.mtp))
             if (big, Bg, Lg) == (self, self.rows[-1], self.max_keys):
                 break
             big.run(big.tok[:0, 0], big.pos[:0, 0], keys.new_zeros(0, big.max_keys), valid.new_zeros(0, big.max_keys),
-                    big.rows[-1])
+                    big.rows[-1], big.hidden[:0] if big.mtp else None)
         self.tok[:R, 0], self.pos[:R, 0] = tok, pos
         self.tok[R:Rg], self.pos[R:Rg] = 0, 0
+        if self.mtp:
+            self.hidden[:R], self.hidden[R:Rg] = hidden, 0
         k, v = self.keys[:Rg * Lg].view(Rg, Lg), self.valid[:Rg * Lg].view(Rg, Lg)
         k[:R], v[:R] = keys, valid
         k[R:], v[R:] = self.pool.scratch, False
@@ -149,14 +193,18 @@ class DecodeGraphs:
         return self.logits[:R]
 
     def _outputs(self, Rg):
-        return [self.logits[:Rg]] + ([self.trunk[:Rg]] if self.per > 1 else [])
+        return [self.logits[:Rg]] + ([self.trunk[:Rg]] if self.per > 1 else []) + ([self.out[:Rg]] if self.mtp else [])
 
     def _forward(self, Bg, Lg):
         """The captured work: the model on the static buffers, logits into self.logits (per > 1: the trunk's hidden
-        states into self.trunk, and the logits from them, as Speculative.step's eager verify)."""
+        states into self.trunk, and the logits from them, as Speculative.step's eager verify; mtp: the MTP layer's
+        output into self.out, as MTPDrafter.draft's eager step)."""
         Rg = Bg * self.per
         args = (self.model, self.pool, self.tok[:Rg], self.pos[:Rg], self.keys[:Rg * Lg].view(Rg, Lg),
                 self.valid[:Rg * Lg].view(Rg, Lg))
+        if self.mtp:
+            self.logits[:Rg], self.out[:Rg] = draft_forward(self.model, self.pool, self.hidden[:Rg], *args[2:])
+            return
         if self.per == 1:
             self.logits[:Rg] = decode_forward(*args)
             return
@@ -204,7 +252,8 @@ class DecodeGraphs:
         if not any(s.graphs for s in self.shared.sets):
             self.shared.mempool = None
         self._forward(Bg, Lg)
-        what = f"the decode of {Bg} rows" if self.per == 1 else f"the verify of {Bg} rows x {self.per} tokens"
+        what = (f"the MTP draft step of {Bg} rows" if self.mtp else f"the decode of {Bg} rows" if self.per == 1
+                else f"the verify of {Bg} rows x {self.per} tokens")
         warnings.warn(f"rollout.cuda_graphs: capturing {what} x {Lg} keys failed ({why}); "
                       "decoding eagerly from now on", RuntimeWarning, stacklevel=2)
 

@@ -418,7 +418,9 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
             # bench/gpu_memory.py: the first capture keeps the workspace, the later ones nothing more.)
             # Speculative: the verify's graphs (graphs.DecodeGraphs.verify) share that pool, and their largest bucket is the
             # pool's first capture: a forward of B (k + 1) rows over at most S keys, its trunk's hidden and the final
-            # norm's output beside its logits; their own static buffers, the trunk's hidden [B (k + 1), h] among them
+            # norm's output beside its logits; their own static buffers, the trunk's hidden [B (k + 1), h] among them.
+            # The MTP draft step's graphs (.draft: one layer's forward of B rows, smaller) share it too; their static
+            # buffers are a decode's, and the hidden states in and out [B, h]
             pool = (f"a verify forward of {B} x {k + 1} rows", decode(B * (k + 1), S)[0] + 4 * B * (k + 1) * h) if k else (
                 f"a decode forward of {B} rows", forward)
             generator += [(f"CUDA graphs' pool: {pool[0]} + cuBLAS's workspace", pool[1] + CUBLAS_WORKSPACE),
@@ -427,6 +429,8 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                 R = B * (k + 1)
                 generator.append((f"CUDA graphs' verify inputs [{R}, {S}], logits [{R}, V] and trunk [{R}, h]",
                                   R * (S * 9 + 16) + 2 * R * V + 2 * R * h))
+                generator.append((f"CUDA graphs' draft inputs [{B}, {S}], logits [{B}, V] and hidden in and out [{B}, h]",
+                                  B * (S * 9 + 16) + 2 * B * V + 4 * B * h))
         steps.append(("a decode step (logits, activations, DSA scores, sampling)", forward + sampling))
         if k:  # speculative.py: the token buffers' k more columns, each row's trunk hidden kept between steps; a step's
             # verify forward of B (k + 1) rows over S + k keys as a decode step's (its logits, then the sampler's fp32

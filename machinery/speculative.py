@@ -31,7 +31,9 @@ reads and writes the pool's scratch slot alone, so the forward keeps one shape [
 each row moved at its one read per iteration (_read's pos). With the engine's CUDA graphs on (rollout.cuda_graphs),
 the verify forward is a replay of a padded bucket (graphs.DecodeGraphs.verify: Bg >= B rows of k + 1 tokens, Lg keys,
 at most the call's longest as no row feeds a position past it; the padding rows again on the scratch slot alone),
-counted in graph_steps; the drafter's forwards (the MTP layer's k draft steps, its extend) run eagerly.
+counted in graph_steps; and so does the MTP drafter's draft step (MTPDrafter.draft: each of its k chained steps a replay
+of a padded bucket of graphs.DecodeGraphs.draft, the hidden states in and out in static buffers, its padding rows on the
+scratch slot alone), counted in spec_graph_drafts. The drafter's other forwards (its prefill, its extend) run eagerly.
 
 The drafter (Drafter, below) is any object with draft(engine, rows, hidden, fresh, k) -> tokens [B, k] and
 extend(engine, rows, verify), and optionally prefill (its KV at a prefill's positions) and mtp_layers (the model's
@@ -86,7 +88,7 @@ import torch
 
 from families import mtp
 from families.mla_moe import no_route
-from machinery.graphs import decode_forward, key_slots
+from machinery.graphs import decode_forward, draft_forward, key_slots
 from machinery.sampler import sample_keys, sample_tokens
 
 PROBE_EVERY = 8  # an adaptive Speculative runs every PROBE_EVERY-th call in the slower mode: that mode's figure, fresh
@@ -304,11 +306,12 @@ class MTPDrafter(Drafter):
         mtp_rows(engine, hidden, next_ids, pos, keys, valid)
 
     def draft(self, engine, rows, hidden, fresh, k):
-        m, pool = engine.model, engine.pool
-        layer = m.mtp[str(m.cfg.num_layers)]
-        head = mtp.embed_and_head(m, layer)[1]
+        pool, B = engine.pool, len(engine.sched.running)
         n = torch.where(rows.status == 0, (rows.left - rows.ngen - 1).clamp(0, k), 0)  # [B] drafts a row can use
         Lk = int(engine.sched.pos.max()) + k  # (the last query: pos - 1 + (k - 1))
+        graphs = engine.graphs.draft if engine.graphs is not None else None  # (graphs.DecodeGraphs.draft)
+        graphs = graphs if graphs is not None and not graphs.failed else None  # failed: eager, unpadded
+        Bg, Lk = graphs.bucket(B, Lk) if graphs else (None, Lk)  # a bucket: more keys, no more than the call's longest
         tok, out = rows.last, []
         for j in range(k):
             # d_{j+1} from the position pos - 1 + j; d_1's always runs (its KV is the row's for good), a later one's
@@ -319,8 +322,13 @@ class MTPDrafter(Drafter):
             pad = ~real[:, None]
             keys, valid = torch.where(pad, pool.scratch, keys), valid & ~pad
             valid[:, -1] |= pad[:, 0]  # a padding row sees its own (scratch) slot: finite, and nobody else's
-            hidden = mtp_rows(engine, hidden, tok, q, keys, valid)  # [B, hidden]
-            tok = sample_draft(engine, head(layer.shared_head.norm(hidden)), rows, j)
+            if graphs:  # the padded bucket's replay (eager on a CPU): logits [B, V], the layer's output in graphs.out
+                logits = graphs.run(tok, q, keys, valid, Bg, hidden)
+                hidden = graphs.out[:B]  # (a static buffer: the next step copies it into graphs.hidden, then replays)
+                engine.stats["spec_graph_drafts"] = engine.stats.get("spec_graph_drafts", 0) + 1
+            else:
+                logits, hidden = draft_forward(engine.model, pool, hidden, tok[:, None], q[:, None], keys, valid)
+            tok = sample_draft(engine, logits, rows, j)
             out.append(tok)
         return torch.stack(out, 1)
 

@@ -1,6 +1,6 @@
 """graphs.py: key_slots against the slots of a block table, the bucket shapes, the capture guard (torch.cuda's
-graph calls faked on a CPU), a speculative engine's verify graphs sharing the decode graphs' pool (the same fakes),
-and the graphs' buffers against the memory plan. Graph replays against eager
+graph calls faked on a CPU), a speculative engine's verify and MTP draft graphs sharing the decode graphs' pool (the
+same fakes), and the graphs' buffers against the memory plan. Graph replays against eager
 decoding on a GPU, and engine runs through padded buckets: test_engine.py."""
 import contextlib
 
@@ -67,13 +67,21 @@ def test_graph_capture_falls_back_to_eager_on_a_bad_replay_or_an_error(monkeypat
     assert "RuntimeError: operation not permitted" in str(w[0].message)
 
 
-def test_verify_and_decode_graphs_share_one_pool_the_largest_bucket_first(monkeypatch):
-    """A speculative engine's two graph sets (DecodeGraphs and its .verify, k + 1 tokens a row), with torch.cuda faked on
-    a CPU by graphs whose replay runs the forward they saw captured: a speculative call, then a plain one (the adaptive
-    policy's first two). The very first capture is the verify set's largest bucket, on a new pool; every later one,
-    of either set, is on that pool; both sets keep their graphs, no warning, and each call's tokens are the plain
-    engine's. Then a verify capture that fails (a stale replay) turns the verify set alone eager, with one warning."""
-    from test_speculative import MODELS, Oracle
+def kind(g):
+    """A graph set's kind: the decode's, speculation's verify (per = k + 1) or the MTP draft step's."""
+    return "draft" if g.mtp else "verify" if g.per > 1 else "decode"
+
+
+def test_verify_draft_and_decode_graphs_share_one_pool_the_largest_bucket_first(monkeypatch):
+    """A speculative engine's three graph sets (DecodeGraphs, its .verify, k + 1 tokens a row, and its .draft, the MTP
+    layer's draft step), with torch.cuda faked on a CPU by graphs whose replay runs the forward they saw captured: a
+    speculative call, then a plain one (the adaptive policy's first two). The very first capture is the verify set's
+    largest bucket, on a new pool; every later one, of any set, is on that pool; all sets keep their graphs, no warning,
+    and each call's tokens are the plain engine's. Then, each on a new engine, a capture that fails turns that set alone
+    eager, with one warning: a verify replay with stale logits (the decode set's largest bucket then goes first, when
+    the draft step needs a pool), a draft replay with stale logits, and one whose logits are right but whose output
+    hidden (the next draft step's input) is not."""
+    from test_speculative import MODELS
     from machinery.speculative import Speculative
     captured, last = [], []
 
@@ -84,9 +92,14 @@ def test_verify_and_decode_graphs_share_one_pool_the_largest_bucket_first(monkey
         def capture_end(self):
             g, Bg, Lg = self.seen = last[-1]
 
-        def replay(self):  # (stale: a replay that leaves its logits at zero)
+        def replay(self):  # stale: the replays of one kind of set leave their logits at zero, or a wrong output hidden
             g, Bg, Lg = self.seen
-            g.logits.fill_(0.0) if stale else forward(g, Bg, Lg)
+            if (kind(g), "logits") == stale:
+                g.logits.fill_(0.0)
+                return
+            forward(g, Bg, Lg)
+            if (kind(g), "out") == stale:
+                g.out.add_(1.0)
 
         def pool(self):
             return "pool"
@@ -94,31 +107,42 @@ def test_verify_and_decode_graphs_share_one_pool_the_largest_bucket_first(monkey
     forward = graphs_mod.DecodeGraphs._forward
     monkeypatch.setattr(graphs_mod.DecodeGraphs, "_forward", lambda g, Bg, Lg: last.append((g, Bg, Lg)) or forward(g, Bg, Lg))
     capture = graphs_mod.DecodeGraphs._capture
-    monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture", lambda g, Bg, Lg: captured.append((g.per, Bg, Lg))
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "_capture", lambda g, Bg, Lg: captured.append((kind(g), Bg, Lg))
                         or capture(g, Bg, Lg))
-    model, k, sp, stale = MODELS["dense_dsa"](), 2, SamplingParams(temperature=1.0, max_new_tokens=12), False
+    model, k, sp, stale = MODELS["dense_dsa"](), 2, SamplingParams(temperature=1.0, max_new_tokens=12), None
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
     ref = TorchEngine(model).generate(prompts, sp, seed=5)
     engine = graph_engine(model, capture=True, max_batch=8, speculative=Speculative.of(model, k))
-    g, v = engine.graphs, engine.graphs.verify
-    assert v.per == k + 1 and v.shared is g.shared and g.trunk is None
+    g, v, d = engine.graphs, engine.graphs.verify, engine.graphs.draft
+    assert v.per == k + 1 and v.shared is g.shared is d.shared and g.trunk is None and d.trunk is None and d.capture
     assert v.trunk.shape == (8 * (k + 1), model.cfg.hidden_size) and v.tok.shape == (8 * (k + 1), 1)
+    assert d.per == 1 and d.hidden.shape == d.out.shape == (8, model.cfg.hidden_size) and v.hidden is None
     for call in ("spec", "plain"):
         before = engine.stats.get(f"{call}_calls", 0)
         out = engine.generate(prompts, sp, seed=5)
         assert engine.stats[f"{call}_calls"] == before + 1
         assert [c.token_ids for c in out] == [c.token_ids for c in ref]
         assert [x for c in out for x in c.logprobs] == pytest.approx([x for c in ref for x in c.logprobs], abs=1e-5)
-    assert captured[0] == (k + 1, 8, 64) and captured[1] == (None, "thread_local")  # the largest forward, first
-    assert all(c == ("pool", "thread_local") for c in captured[3::2]) and len(captured) > 6
-    assert v.graphs and g.graphs and not v.failed and not g.failed and g.mempool == "pool"
-    assert {per for per, *_ in captured[::2]} == {1, k + 1}
-    stale = True  # a new engine: a verify capture gone wrong turns that set eager; the decode set still captures
-    engine = graph_engine(model, capture=True, max_batch=8, speculative=Speculative.of(model, k))
-    with pytest.warns(RuntimeWarning, match="capturing the verify of 8 rows x 3 tokens x 64 keys failed") as w:
-        out = engine.generate(prompts, sp, seed=5)
-    assert len(w) == 1 and engine.graphs.verify.failed and not engine.graphs.failed and engine.graphs.mempool is None
-    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    assert captured[0] == ("verify", 8, 64) and captured[1] == (None, "thread_local")  # the largest forward, first
+    assert all(c == ("pool", "thread_local") for c in captured[3::2]) and len(captured) > 8
+    assert v.graphs and g.graphs and d.graphs and not (v.failed or g.failed or d.failed) and g.mempool == "pool"
+    assert {what for what, *_ in captured[::2]} == {"decode", "verify", "draft"}
+    assert ("draft", 4, 64) in captured[::2] and engine.stats["spec_graph_drafts"] > 0
+    for stale, what in [(("verify", "logits"), "the verify of 8 rows x 3 tokens"), (("draft", "logits"), "the MTP draft "
+                        "step of 4 rows"), (("draft", "out"), "the MTP draft step of 4 rows")]:
+        captured.clear()
+        engine = graph_engine(model, capture=True, max_batch=8, speculative=Speculative.of(model, k))
+        with pytest.warns(RuntimeWarning, match=f"capturing {what} x 64 keys failed") as w:
+            out = engine.generate(prompts, sp, seed=5)
+        sets = {kind(s): s for s in engine.graphs.shared.sets}
+        assert len(w) == 1 and [name for name, s in sets.items() if s.failed] == [stale[0]]
+        assert sets[stale[0]].graphs == {} and engine.graphs.mempool == "pool"
+        assert all(s.graphs for name, s in sets.items() if name not in (stale[0], "decode"))
+        # the first captures: the verify's largest bucket, then (that failed) the decode's, before the draft's own
+        assert [c[0] for c in captured[:6:2]] == (["verify", "decode", "draft"] if stale[0] == "verify" else
+                                                  ["verify", "draft", "verify"])
+        assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+        assert [x for c in out for x in c.logprobs] == pytest.approx([x for c in ref for x in c.logprobs], abs=1e-5)
 
 
 def test_graph_buffers_are_what_the_memory_plan_counts():
@@ -190,3 +214,19 @@ def test_buckets_are_the_smallest_that_hold_a_step():
     K = graphs_mod.GRAPH_MIN_KEYS
     assert g.bucket(1, 1) == (1, K) and g.bucket(3, K) == (4, K) and g.bucket(9, K + 1) == (16, 2 * K)
     assert g.bucket(33, 599) == (40, 600) and g.bucket(40, 600) == (40, 600)  # 4 * K = 1024 > 600 keys: capped
+
+
+def test_draft_graph_buffers_are_what_the_memory_plan_counts():
+    """A speculative engine's MTP draft-step graphs (DecodeGraphs.draft): tokens and positions [B], key slots and masks
+    [B, S], logits [B, V] and the MTP layer's hidden in and out [B, h] in bf16, as --dry-run counts them."""
+    from test_speculative import MODELS
+    from machinery.speculative import Speculative
+    model, B, S, k = MODELS["dense_dsa"]().to(torch.bfloat16), 3, 40, 2
+    engine = TorchEngine(model, max_batch=B, graphs=True, speculative=Speculative.of(model, k))
+    engine._open(SamplingParams(), S, S - 10)
+    d = engine.graphs.draft
+    real = sum(t.numel() * t.element_size() for t in (d.tok, d.pos, d.keys, d.valid, d.logits, d.hidden, d.out))
+    plan = dict(memory_plan(model.cfg, learner_gpus=1, parallel="fsdp", micro_batch_tokens=64, gradient_checkpointing=True,
+                            trainable_indexer=False, reference=False, generator_batch=B, generator_max_len=S,
+                            max_new_tokens=30, engine="torch", cuda_graphs=True, speculative_tokens=k).generator)
+    assert plan[f"CUDA graphs' draft inputs [{B}, {S}], logits [{B}, V] and hidden in and out [{B}, h]"] == real

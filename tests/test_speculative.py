@@ -7,8 +7,8 @@ on a dense and an MLA + MoE model (DSA both), its KV against families/mtp.draft 
 trained MTP layer's drafts accepted far more often than an untrained one's. The adaptive policy (a run's): its choices
 against its statement, on injected figures and on an injected clock end to end (the faster mode, a probe every
 PROBE_EVERY calls, the figures against hand counts), plain calls on the plain path, and the MTP KV invariant in a
-speculative call after plain ones. With graphs: the verify in padded buckets (eager on a CPU, replays on a GPU), the
-plain run's tokens and pool."""
+speculative call after plain ones. With graphs: the verify and the MTP draft step in padded buckets (eager on a CPU,
+replays on a GPU), the plain run's tokens and pool, the drafts and pool of speculation without graphs."""
 import copy
 import random
 from dataclasses import replace
@@ -117,8 +117,8 @@ def test_the_verify_runs_as_padded_graph_buckets(kind, monkeypatch):
     (16 forward rows for 12), key lists as 8, 16 and 20 slots (the call's longest)."""
     monkeypatch.setattr(graphs_mod, "GRAPH_MIN_KEYS", 8)
     seen, run = [], graphs_mod.DecodeGraphs.run
-    monkeypatch.setattr(graphs_mod.DecodeGraphs, "run", lambda g, tok, pos, keys, valid, Bg:
-                        seen.append((g.per, len(tok), Bg, keys.shape[1])) or run(g, tok, pos, keys, valid, Bg))
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "run", lambda g, tok, pos, keys, valid, Bg, hidden=None: (g.per > 1 and
+                        seen.append((g.per, len(tok), Bg, keys.shape[1]))) or run(g, tok, pos, keys, valid, Bg, hidden))
     k, sampling = 3, SAMPLINGS[0]
     model = MODELS["dense_dsa"]() if kind == "mtp" else tiny_model(DSA3).eval()
     want = plain_run(model, sampling)
@@ -133,6 +133,67 @@ def test_the_verify_runs_as_padded_graph_buckets(kind, monkeypatch):
     assert all(per == k + 1 and R % (k + 1) == 0 and R <= Bg * (k + 1) for per, R, Bg, _ in seen)
     assert (k + 1, 3 * (k + 1), 4, 16) in seen and {w for *_, w in seen} == {8, 16, 20}
     assert len(runs[1].pool.free) == runs[1].pool.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["dense_dsa", "mla_moe_dsa"])
+def test_the_mtp_draft_step_runs_as_padded_graph_buckets(kind, monkeypatch):
+    """graphs=True with the MTP drafter (engine.graphs.draft; on a CPU the padded buckets run eagerly): each of a step's
+    k chained draft steps runs as a bucket of (rows, keys), the rows' hidden states in and the layer's output out
+    through the set's static buffers; every step's drafts are speculation-without-graphs', and the tokens and logprobs
+    the plain engine's. Padding rows and left-padded keys are both exercised: 3 rows as 4, key lists as 8, 16 and 20
+    slots (the call's longest)."""
+    monkeypatch.setattr(graphs_mod, "GRAPH_MIN_KEYS", 8)
+    seen, run, k = [], graphs_mod.DecodeGraphs.run, 3
+    monkeypatch.setattr(graphs_mod.DecodeGraphs, "run", lambda g, tok, pos, keys, valid, Bg, hidden=None: (g.mtp and
+                        seen.append((len(tok), Bg, keys.shape[1], tuple(hidden.shape)))) or run(g, tok, pos, keys, valid,
+                                                                                                 Bg, hidden))
+    drafts, draft = {False: [], True: []}, MTPDrafter.draft  # each engine's drafts, step by step
+
+    def drafted(d, engine, rows, *a):  # (those a row can use, j < n: the others read the scratch slot, whatever is there)
+        out = draft(d, engine, rows, *a)
+        n = torch.where(rows.status == 0, (rows.left - rows.ngen - 1).clamp(0, k), 0)
+        drafts[engine.graphs is not None].append(torch.where(torch.arange(k)[None] < n[:, None], out, -1))
+        return out
+    monkeypatch.setattr(MTPDrafter, "draft", drafted)
+    sampling, model = SAMPLINGS[0], MODELS[kind]()
+    want = plain_run(model, sampling)
+    runs = [TorchEngine(model, max_batch=4, graphs=graphs, speculative=Speculative(MTPDrafter(), k)) for graphs in
+            (False, True)]
+    eager, got = (engine.generate(PROMPTS, sampling, seed=3) for engine in runs)
+    assert_same(got, want)
+    assert_same(got, eager)
+    s, h = runs[1].stats, model.cfg.hidden_size
+    assert s["spec_graph_drafts"] == len(seen) == k * s["spec_verifies"] > 0 and "spec_graph_drafts" not in runs[0].stats
+    assert len(drafts[True]) == len(drafts[False]) == s["spec_verifies"] and s["spec_accepted"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(drafts[True], drafts[False]))
+    assert all(B <= Bg and hidden == (B, h) for B, Bg, _, hidden in seen)
+    assert (3, 4, 16, (3, h)) in seen and {w for _, _, w, _ in seen} == {8, 16, 20}
+    assert len(runs[1].pool.free) == runs[1].pool.num_blocks and not runs[1].graphs.draft.failed
+
+
+@pytest.mark.parametrize("kind", ["dense_dsa", "mla_moe_dsa"])
+def test_the_pool_with_draft_graphs_equals_an_eager_speculative_runs(kind):
+    """The MTP drafter with graphs (its draft steps and the verify in padded buckets, their padding rows on the scratch
+    slot alone), rows ending on stop tokens mid-way: the pool at every slot of every parked trajectory's blocks, the MTP
+    layer's KV included (the drafts' provisional keys overwritten or cleared), equals speculation-without-graphs', and
+    the completions (MoE: their routes too) are the plain engine's."""
+    model, sampling = MODELS[kind](), SamplingParams(temperature=1.0, max_new_tokens=13)
+    free = parked_pools(TorchEngine(model, max_batch=8), PROMPTS, sampling)[0]
+    sampling.stop_token_ids = (free[0].token_ids[4], free[1].token_ids[6])  # (drafts past them are fed, then cleared)
+    want = parked_pools(TorchEngine(model, max_batch=8), PROMPTS, sampling)[0]
+    eager, eager_pool = parked_pools(TorchEngine(model, max_batch=8, speculative=Speculative(MTPDrafter(), 3)), PROMPTS,
+                                     sampling)
+    engine = TorchEngine(model, max_batch=8, graphs=True, speculative=Speculative(MTPDrafter(), 3))
+    got, got_pool = parked_pools(engine, PROMPTS, sampling)
+    assert_same(got, want)
+    assert_same(eager, want)
+    assert engine.stats["spec_graph_drafts"] > 0 and sum(c.finish_reason == "stop" for c in want) >= 2
+    for key in eager_pool:  # (store L: the MTP layer's keys, written)
+        assert len(got_pool[key]) == len(eager_pool[key]) and got_pool[key][model.cfg.num_layers].any()
+        for a, b in zip(got_pool[key], eager_pool[key], strict=True):
+            assert torch.allclose(a.float(), b.float(), atol=1e-5), key
+    if kind == "mla_moe_dsa":
+        assert all(torch.equal(a.routes, b.routes) for a, b in zip(got, want))
 
 
 def test_a_planted_bug_in_the_acceptance_rule_is_caught(monkeypatch):
@@ -369,17 +430,18 @@ def test_the_mtp_drafter_gives_the_plain_engines_tokens(kind, k):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("kind", list(MODELS))
 def test_cuda_verify_graph_replays_give_the_eager_buckets_tokens(kind, monkeypatch):
-    """On a GPU, bf16, the MTP drafter: speculative calls whose verify forwards replay captured graphs give exactly the
-    tokens and logprobs of the same padded buckets run eagerly (capture=False), and every verify bucket passes the
-    capture guard (graphs kept, none failed)."""
+    """On a GPU, bf16, the MTP drafter: speculative calls whose verify forwards and draft steps replay captured graphs
+    give exactly the tokens and logprobs of the same padded buckets run eagerly (capture=False), and every verify and
+    draft bucket passes the capture guard (graphs kept, none failed)."""
     monkeypatch.setattr(graphs_mod, "GRAPH_MIN_KEYS", 8)
     sp, prompts, outs = SamplingParams(temperature=1.0, max_new_tokens=20), PROMPTS * 2, []
     model = MODELS[kind]().to("cuda", torch.bfloat16)
     for capture in (False, True):
         engine = graph_engine(model, capture, max_batch=5, speculative=Speculative(MTPDrafter(), 3))
         outs.append(engine.generate(prompts, sp, seed=9))
-    v = engine.graphs.verify
+    v, d = engine.graphs.verify, engine.graphs.draft
     assert not v.failed and len(v.graphs) >= 3 and engine.stats["graph_steps"] == engine.stats["spec_verifies"]
+    assert not d.failed and len(d.graphs) >= 3 and engine.stats["spec_graph_drafts"] == 3 * engine.stats["spec_verifies"]
     assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
     assert [c.logprobs for c in outs[0]] == [c.logprobs for c in outs[1]]
 
