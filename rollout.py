@@ -1,8 +1,8 @@
 """
 RL rollouts: the generator thread that turns prompts into graded, grouped batches while the learner trains.
 One default RL step is told down to "beyond one RL step"; after that line come eval, the warm-up's rows, agents,
-failures and dynamic sampling, and the few helpers the step calls by name there (Rounds, batch_groups,
-single_turn, which in one default round keep every group as played).
+failures and dynamic sampling, and the helpers the step calls by name there (Rounds and batch_groups, which in
+one default round keep every group as played; single_turn, with which start-up binds data.reward).
 
 One batch, the default way (data.env unset): draw this rank's share of rollout.prompts_per_step prompts, sample
 rollout.n completions of each in one engine call, and grade each completion as it finishes with the reward hook
@@ -12,7 +12,8 @@ rollout.n completions of each in one engine call, and grade each completion as i
 (response_text: the completion decoded without special tokens; example: the prompt's whole JSONL object, every
 field kept; startup.start loads data.reward and checks its signature: data.load_reward). It runs on a worker
 thread with a deadline, rollout.env_timeout_s: a reward that raises, hangs or is not a finite number fails its
-trajectory, never the run. The calls: Generator._run -> _make_batch -> _rounds (one round by default) ->
+trajectory, not the run (unless failures pile up: rollout.max_failure_fraction of a batch, or a pool out of threads,
+stop it with one line). The calls: Generator._run -> _make_batch -> _rounds (one round by default) ->
 _generate_groups -> play -> play_single_turn, then _sample for each trajectory.
 
     prompts --> [Generator thread: n completions per prompt, graded] --> RolloutBatch --> queue --> learner
@@ -201,7 +202,8 @@ class Generator:
         version + max_staleness; this file's docstring), after which the thread waits at the gate for open(version):
         no batch is in flight while engine.update_weights copies each tensor into its model, in place. With
         partial_rollout, at once (the engine takes them between two decode steps); and before start() too (the
-        first publish: no thread, so no batch to wait for)."""
+        first publish: no thread, so no batch to wait for). With max_staleness 1: publish(v) returns once batch v is
+        queued, and batch v + 1 starts only after open(v)."""
         with self.gate:
             until = version + self.max_staleness if self.end is None else min(version + self.max_staleness, self.end)
             while not (self.partial_rollout or self.next_batch >= until or self.stopping.is_set()

@@ -287,7 +287,7 @@ def rl_step(cfg: Config, model, ref_model, optimizer, guard, batch, version):
     def lr():  # the KL guard brakes the lr while the policy drifts too fast from the reference
         return lr_at(cfg, lora.rl_lr(cfg), version) * variants.kl_guard_scale(guard, metrics, ref_model is not None)
     # optimizer_step: clip the gradient to grad_clip and step AdamW at lr(), or, if the loss or the gradient norm
-    # is not finite, drop the gradients and change nothing; returns train/grad_norm, train/lr and train/skipped
+    # is not finite, drop the gradients and change nothing; returns train/grad_norm, train/skipped, train/lr (if taken)
     return metrics | optimizer_step(optimizer, model, metrics["train/loss"], cfg.optim.grad_clip, lr)
 
 

@@ -8,7 +8,7 @@ torchrun's launcher); under torchrun, --nproc-per-node decides. Every process ge
 its own prompt groups; the learners form one data-parallel group (FSDP2 or DDP) whose gradient is
 exactly that of one process on the whole batch. Without torchrun there is no process group and every
 helper here is the identity, so the single-process path is the same code with world() == 1. A reader of
-train.rl_step needs only the section "what train.rl_step calls"; processes, devices and FSDP2 come last.
+one RL step needs only the section "what train.rl_step calls"; processes, devices and FSDP2 come last.
 
 The contract that makes the gradient exact: each rank's loss is a partial sum over the *global*
 denominator of the step's batch. DDP and FSDP2 average gradients over ranks when they reduce, so
@@ -65,8 +65,8 @@ def barrier():
 
 
 # ----------------------------------------------------------------------------- what train.rl_step calls
-# In its order: the micro-batches, the backward, the loss metrics, the optimizer step, the weights a publish
-# sends. In one process every collective here is the identity.
+# In its order: the micro-batches, the backward, the loss metrics, the optimizer step; then full_weights, what
+# train_rl's publish after the step sends. In one process every collective here is the identity.
 
 def packed_micro_batches(model, rows, budget, device, routes=None):
     """[(k, MicroBatch or None)]: this rank's samples (rows: (ids, spans of scored tokens); routes: their generator
@@ -214,6 +214,11 @@ def optimizer_step(optimizer, model, loss, grad_clip, lr) -> dict:
     return {"train/grad_norm": grad_norm, "train/lr": lr, "train/skipped": 0.0} | mtp
 
 
+def clip_grad_norm(params, max_norm):
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
+
+
 def full_weights(model, dtype=None, quantization=None, base=False):
     """(name, full tensor) of every parameter, for publishing to the generator. Under FSDP each tensor
     is gathered from its shards when the consumer asks for it (cast to the generator's dtype first, so
@@ -239,11 +244,6 @@ def full_weights(model, dtype=None, quantization=None, base=False):
 
 # ----------------------------------------------------------------------------- what train_rl's loop calls
 # Beside rl_step: the count of skipped steps, and the metrics of every rank made one row.
-
-
-def clip_grad_norm(params, max_norm):
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP: a DTensor
 
 
 @dataclass
