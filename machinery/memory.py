@@ -107,10 +107,18 @@ class MemoryPlan:
         s, out = self.settings, []
         if s.get("colocate"):
             phase, _, need = max(self.phases(), key=lambda p: p[2])
+            name = phase.split(":")[0]
             fix = ["model.lora (a frozen bf16 base shared with the engine, adapters alone train)"] if not s["lora"] else []
-            fix += ["train.offload: true"] if not s["offload"] else []
-            fix += ["a smaller rollout.kv_cache_tokens or rollout.max_batch", "optim.max_tokens_per_micro_batch"]
-            return [f"co-located, the {phase.split(':')[0]} phase needs {need / GiB:.1f} GiB of {gpu_bytes / GiB:.1f}: "
+            if name == "generate":  # the engine's pool and rows, beside what stays of the learner
+                fix += (["train.offload: true"] if not s["offload"] else []) + ["a smaller rollout.kv_cache_tokens or "
+                                                                                 "rollout.max_batch"]
+            elif name == "train":  # the learner's step alone: the engine's pool is released, its state is back
+                fix += ([] if s["gradient_checkpointing"] else ["model.gradient_checkpointing: true"]) + [
+                    "a smaller optim.max_tokens_per_micro_batch"]
+            else:  # load, checkpoint: weights and the learner's state
+                fix += (["train.parallel: fsdp (shards the learner's state)"] if s["parallel"] == "ddp" else []) + [
+                    "more GPUs (train.pairs)"]
+            return [f"co-located, the {name} phase needs {need / GiB:.1f} GiB of {gpu_bytes / GiB:.1f}: "
                     + "; ".join(fix)] if need > gpu_bytes else []
         (lt, _, lneed, lgpu, lload), (gt, _, gneed, gpool, gload) = self._gpus(gpu_bytes)
         lneed, gneed = max(lneed, lload), max(gneed, gload)

@@ -367,3 +367,18 @@ def test_the_routed_experts_cast_once_a_step_are_counted_where_they_are_held():
     for plan in (moe_plan(TINY_MOE, learner_gpus=2), moe_plan(TINY_MOE, parallel="ddp", lora_cfg=lora.LoRAConfig()),
                  tiny_plan(parallel="ddp"), tiny_plan(learner_gpus=1)):
         assert not any(n.startswith(name) for n, _ in plan.learner)
+
+
+def test_a_colocated_plan_that_does_not_fit_names_the_fixes_of_its_largest_phase():
+    """The refusal names what shrinks the phase that does not fit: the train phase (the engine's pool released) by the
+    micro-batch, never by the KV pool; the generate phase by the KV pool or its rows."""
+    for kw, phase, right, wrong in (({"micro_batch_tokens": 4096}, "train", "optim.max_tokens_per_micro_batch",
+                                     "rollout.kv_cache_tokens"),
+                                    ({"generator_batch": 64, "generator_max_len": 4096}, "generate",
+                                     "rollout.kv_cache_tokens", "optim.max_tokens_per_micro_batch")):
+        plan = tiny_plan(colocate=True, learner_gpus=1, **kw)
+        name, _, need = max(plan.phases(), key=lambda p: p[2])
+        assert name.startswith(phase + ":"), name
+        assert plan.problems(need) == []
+        (line,) = plan.problems(need - 1)
+        assert line.startswith(f"co-located, the {phase} phase needs") and right in line and wrong not in line, line
