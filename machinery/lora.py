@@ -314,7 +314,11 @@ def load_model(path, load):
     targets = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in c["target_modules"]))  # (qualified: MoE families)
     add(model, LoRAConfig(rank=c["r"], alpha=c["lora_alpha"], targets=targets))
     tensors = load_file(os.path.join(path, ADAPTERS))
-    load_adapters(model, {our_adapter_name(k, model.cfg.num_layers): t for k, t in tensors.items()})
+    try:
+        load_adapters(model, {our_adapter_name(k, model.cfg.num_layers): t for k, t in tensors.items()})
+    except ValueError as e:  # e.g. a base with another number of MTP layers (model.mtp_layers) than the adapters had
+        raise ValueError(f"{os.path.join(path, ADAPTERS)}: {e} (the base in {base_dir(path)} has "
+                         f"{model.cfg.num_layers} layers and {model.cfg.mtp_layers} MTP layers)") from None
     return model
 
 

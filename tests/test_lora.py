@@ -489,6 +489,9 @@ def test_mtp_adapters_are_saved_under_the_layers_published_name_and_round_trip_a
     torch.testing.assert_close(exported.double(), ref, rtol=1e-6, atol=1e-6)
     want = drafts(model)
     assert ((drafts(GLM.from_pretrained(str(out))) - want).abs().max() / want.abs().max()).item() < 1e-5
+    # a base loaded without its MTP layer (model.mtp_layers: 0) cannot take them: one line naming the file
+    with pytest.raises(ValueError, match=r"step_000001/adapter_model\.safetensors: adapters do not match .* 0 MTP layers"):
+        lora.load_model(step, lambda path: GLM.from_pretrained(path, mtp=0))
 
 
 def test_peft_loads_the_adapters_of_a_model_with_an_mtp_layer_onto_transformers_glm4(tmp_path):
