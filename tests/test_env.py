@@ -405,10 +405,11 @@ def test_a_batch_whose_step_hangs_costs_one_timeout_then_a_tenth():
 
 def test_calls_that_never_return_lose_a_bounded_number_of_threads_then_stop_the_run():
     """300 close() calls that never return: before, each kept its thread for good while a new one took its place (364
-    threads); now the first wave of 64 times out, the kind is down and the 236 queued never start. Later waves of
-    hanging calls each lose their threads, until more than MAX_LOST (4 x the pool) would be held: then close raises
-    EnvDown, a TooManyFailures (the run stops with its one line), and the pool never held more than size + max_lost
-    threads. Once the calls return, the pool is whole again."""
+    threads); now about the first wave of 64 times out holding threads, the kind is down and the queued rest never
+    start. Later waves of hanging calls each lose the threads of the calls that started (on a loaded machine some do
+    not start within their tenth of the deadline, and hold none), until more than MAX_LOST (4 x the pool) would be
+    held: then close raises EnvDown, a TooManyFailures (the run stops with its one line), and the pool never held more
+    than size + max_lost threads. Once the calls return, the pool is whole again."""
     never, pool = threading.Event(), env.POOL
 
     class Stuck:
@@ -428,15 +429,21 @@ def test_calls_that_never_return_lose_a_bounded_number_of_threads_then_stop_the_
     try:
         eps = hanging(300)
         assert within(10, lambda: env.close(eps, "Stuck", limits))[0] == 300
-        assert pool.lost == pool.size and threads() <= 2 * pool.size  # (before: 300 lost, 364 threads)
-        assert sum("while Stuck.close is down" in ep.close_failure for ep in eps) == 300 - 1
+        # (before: 300 lost, 364 threads.) About the first 64: a few more where submitting 300 calls outlasts the first
+        # deadline on a loaded machine (a call submitted less than a tenth of the deadline before a free thread takes
+        # it still starts), never more than the pool's threads, its own and those written off
+        assert 0 < pool.lost <= 2 * pool.size and threads() <= pool.size + pool.lost
+        assert sum("while Stuck.close is down" in ep.close_failure for ep in eps) >= 300 - pool.size
         with pytest.raises(env.TooManyFailures) as stop:
-            for wave in range(pool.max_lost // pool.size):  # the waves after: each call a probe, each one lost
-                assert env.close(hanging(pool.size), "Stuck", limits) == pool.size and pool.lost == pool.size * (wave + 2)
+            for _ in range(50):  # the waves after: each call a probe, each one that started lost
+                before = pool.lost
+                assert env.close(hanging(pool.size), "Stuck", limits) == pool.size
+                assert before <= pool.lost <= before + pool.size
                 most = max(most, threads())
         assert isinstance(stop.value, env.EnvDown) and "\n" not in str(stop.value)
-        assert str(stop.value) == ("the env is down: 257 calls that missed their deadline (rollout.env_timeout_s=0.2) still "
-                                   "hold a thread each, over the 256 a run may lose (the latest: Stuck.close)")
+        held = re.fullmatch(r"the env is down: (\d+) calls that missed their deadline \(rollout\.env_timeout_s=0\.2\) still "
+                            r"hold a thread each, over the 256 a run may lose \(the latest: Stuck\.close\)", str(stop.value))
+        assert held and pool.max_lost < int(held[1]) <= pool.max_lost + pool.size, str(stop.value)
         assert most <= pool.size + pool.max_lost == 320 and threads() <= pool.size + pool.max_lost
         with pytest.raises(env.EnvDown):  # and no call more while the threads stay lost
             env.guarded([(Episode({}, 0), "Stuck.reset", time.sleep, (0,))], 0.2)
