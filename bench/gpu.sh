@@ -7,7 +7,7 @@
 #   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
 #   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
 #
-# Parts, in the order they run (their timeouts: T1 ... T9, T4a ... T4e; all of them within BUDGET seconds from the
+# Parts, in the order they run (their timeouts: T1 ... T10, T4a ... T4e; all of them within BUDGET seconds from the
 # start: what has not run on a GPU yet comes first, so a part the budget cuts is one measured before):
 #   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
 #       CUDA branch when there is one, found in tests/ by name (the MoE model's and engine's CUDA tests too, by the
@@ -37,7 +37,11 @@
 #   9   bench/speculative.py --decode: decode tokens/s with and without speculation (k = 3), CUDA graphs on (the
 #       verify's too: graphs.DecodeGraphs.verify), on GLM-4.7-Flash cut to 4 layers, 256 and 64 rows, random weights
 #       at controlled acceptance (an oracle drafter: the plain run's token with probability 0.7); the issue's target
-#       is >= 1.8x. Dry mode runs its CPU side (--quick: flash's widths shrunk). Last: rerun with --parts 9
+#       is >= 1.8x. Dry mode runs its CPU side (--quick: flash's widths shrunk). Rerun with --parts 9
+#   10  bench/fp8_tiles.py: the fp8 Triton GEMM's tile shapes (machinery/fp8.py's TILE_CANDIDATES) timed in CUDA
+#       graphs at GLM-Z1-9B's and GLM-4.7-Flash's shapes (dense and grouped experts; 64, 256 and 2048 rows), each
+#       checked against the reference: the fastest per key, for fp8.TUNED_TILES (`python bench/fp8_tiles.py --from
+#       OUTDIR/10_fp8_tiles.json --write` writes them in, on any machine). Last: rerun with --parts 10
 # Files: OUTDIR/<part>_*.log (+ .json / .md / .xml), OUTDIR/status.tsv, and OUTDIR/summary.md (rewritten after
 # every part; merge it by hand into docs/benchmarks.md). What needs more than one GPU is printed, not run.
 #
@@ -76,8 +80,8 @@ START=$SECONDS
 BUDGET="${BUDGET:-560}"  # seconds for everything: the parts' timeouts are cut to what is left of it
 STATUS="$OUT/status.tsv"
 if [[ -n "$PARTS" && -f "$STATUS" ]]; then  # a rerun of some parts into the same OUTDIR keeps the others' results
-    awk -F'\t' -v p=",$PARTS," 'NR == 1 || (index(p, "," $1 ",") == 0 && index(p, "," substr($1, 1, 1) ",") == 0)' \
-        "$STATUS" > "$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS"
+    awk -F'\t' -v p=",$PARTS," '{ n = $1; sub(/[a-z]+$/, "", n) }  # (the number of 4a: 4; of 10: 10)
+        NR == 1 || (index(p, "," $1 ",") == 0 && index(p, "," n ",") == 0)' "$STATUS" > "$STATUS.tmp" && mv "$STATUS.tmp" "$STATUS"
 else
     printf 'part\tname\tstatus\trc\tseconds\ttimeout\tlog\n' > "$STATUS"
     rm -rf "$OUT/summary.d"
@@ -184,7 +188,8 @@ EOF
 )"
 
 # ---------------------------------------------------------------------------------------------------------- parts
-wanted() { [[ -z "$PARTS" ]] || [[ ",$PARTS," == *",$1,"* ]] || [[ ",$PARTS," == *",${1:0:1},"* ]]; }
+# (a part's number selects its lettered parts: --parts 4 runs 4a ... 4e, and --parts 1 not part 10)
+wanted() { [[ -z "$PARTS" ]] || [[ ",$PARTS," == *",$1,"* ]] || [[ ",$PARTS," == *",${1%%[a-z]*},"* ]]; }
 
 record() {  # part name status rc seconds timeout log: one line of status.tsv, then summary.md again
     printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >> "$STATUS"
@@ -329,7 +334,7 @@ EOF
 
 # ------------------------------------------------------------------------------------------------------ the parts
 say "plan: parts 1 (GPU-only tests), 8 (MoE), 3 (memory), 2 (parity), 7 (colocate handoff), 4a-4e (speed), 5 (tiny run), 6 (fp8),"
-say "      9 (speculative decode); budget ${BUDGET}s"
+say "      9 (speculative decode), 10 (fp8 tile table); budget ${BUDGET}s"
 if [[ $DRY == 1 ]]; then
     say "part 1 would run: ${GPU_TESTS:-none found}"
 fi
@@ -387,6 +392,10 @@ if [[ $DRY == 1 ]]; then
 else
     run_part 9 "speculative decode" 180 1 "$SPEC --device cuda --layers 4 --rows 256 64 --k 3 --p 0.7" x_md
 fi
+
+# (dry mode skips it: the sweep times a GPU; tests/test_fp8.py runs every candidate in the interpreter)
+run_part 10 "fp8 tile table" 300 1 \
+    "$PY bench/fp8_tiles.py --json $OUT/10_fp8_tiles.json --md $OUT/10_fp8_tile_table.md" x_md
 
 echo
 multi_gpu

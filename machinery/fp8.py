@@ -317,16 +317,64 @@ def _compiled(interpret: bool):
     return triton.jit(_gemm_kernel)
 
 
-def _tiles(M: int) -> tuple[int, int, int]:
-    """(BM, BN, num_warps) for M rows (not tuned): tl.dot needs BM >= 16; a decode step (M small) takes
-    narrower column tiles, so that more programs share the weight's bytes."""
+def _tiles(M: int) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) for M rows, the rule a key TUNED_TILES does not name falls back to (not tuned):
+    tl.dot needs BM >= 16; a decode step (M small) takes narrower column tiles, so that more programs share the
+    weight's bytes."""
     BM = min(128, max(16, 1 << (M - 1).bit_length()))
-    return BM, 64 if M <= 64 else 128, 4 if BM <= 64 else 8
+    return BM, 64 if M <= 64 else 128, 4 if BM <= 64 else 8, 3
 
 
-def triton_linear(x, weight, weight_scale_inv, bias=None):
+# The launch shapes (BM, BN, num_warps, num_stages) that bench/fp8_tiles.py times on a GPU, and tests/test_fp8.py runs
+# in the interpreter against the float64 reference: one list for both, so that the sweep can only pick a tested shape.
+# BK is always BLOCK (a step is one quantization group). _tiles' four choices are among them (the sweep's baseline).
+# BM >= 16 (tl.dot); BN from 32 (decode: more programs over a narrow weight, e.g. GLM-Z1-9B's k_proj, N = 256) to
+# 256 (prefill: fewer re-reads of x); 8 warps for the wide tiles, whose fp32 accumulator [BM, BN] lives in registers.
+TILE_CANDIDATES = (
+    (16, 32, 4, 3), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3),
+    (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4),
+    (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 8, 3),
+    (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+)
+
+# The tile table: the fastest of TILE_CANDIDATES per key, as bench/fp8_tiles.py measured them on a GPU (static data:
+# no autotuning at run time, so a run's bits never depend on a timing race). {architecture: {(kind, rows, N, K): (BM,
+# BN, num_warps, num_stages)}}: architecture "sm_90" for a GPU of compute capability 9.0 (its tiles are measured there
+# and may not fit another's registers), "cpu" for the interpreter (tests only); kind "dense" (triton_linear: N, K of
+# the weight) or "grouped" (triton_grouped_linear: N, K of one expert's matrix); rows the row bucket, the power of two
+# at or above the rows (grouped: above an expert's average share of them, ceil(M / E)). A key not named here takes
+# _tiles' rule. `python bench/fp8_tiles.py --write` rewrites the lines between the two markers (by hand: keep that form).
+TUNED_TILES: dict[str, dict[tuple[str, int, int, int], tuple[int, int, int, int]]] = {
+    # tiles: begin
+    # tiles: end
+}
+
+
+def _row_bucket(rows: int) -> int:
+    """The power of two at or above rows (1 -> 1, 5 -> 8, 64 -> 64, 65 -> 128): the tile table's row key."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _arch(device: torch.device) -> str:
+    """The tile table's architecture key of a device: "sm_90" (compute capability 9.0), or the device type ("cpu")."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
+
+
+def tiles_for(kind: str, rows: int, N: int, K: int, device) -> tuple[int, int, int, int]:
+    """(BM, BN, num_warps, num_stages) of a launch: TUNED_TILES' entry for (kind, the bucket of rows, N, K) on device's
+    architecture, else _tiles(rows). kind "dense" (rows: x's) or "grouped" (rows: an expert's average share)."""
+    tuned = TUNED_TILES.get(_arch(torch.device(device)), {}).get((kind, _row_bucket(rows), N, K))
+    return tuned if tuned is not None else _tiles(rows)
+
+
+def triton_linear(x, weight, weight_scale_inv, bias=None, tiles=None):
     """The Triton kernel above: x [..., K] (any float dtype), weight fp8 [N, K], scales [Nb, Kb] -> [..., N]
-    in x.dtype. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1."""
+    in x.dtype. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. tiles: (BM, BN, num_warps, num_stages), by
+    default tiles_for's (the tile table's, else _tiles'); bench/fp8_tiles.py passes each candidate."""
     if not dsa_triton.available(x):
         raise RuntimeError("fp8.triton_linear needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
     interpret = dsa_triton._interpret()
@@ -338,13 +386,13 @@ def triton_linear(x, weight, weight_scale_inv, bias=None):
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y.view(*lead, N)
-    BM, BN, warps = _tiles(M)
+    BM, BN, warps, stages = tiles or tiles_for("dense", M, N, K, x.device)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on x's GPU
         kernel[(_cdiv(M, BM), _cdiv(N, BN))](
             x2, weight, weight_scale_inv, bias if bias is not None else y, y, y, M, N, K, *x2.stride(),
             0, *weight.stride(), 0, *weight_scale_inv.stride(), *y.stride(), BM=BM, BN=BN, BK=BLOCK,
             HAS_BIAS=bias is not None, AMAX_MIN=AMAX_MIN, QMAX=E4M3_MAX, ROUND_FIRST=interpret, GROUPED=False,
-            num_warps=warps, num_stages=3)
+            num_warps=warps, num_stages=stages)
     return y.view(*lead, N)
 
 
@@ -366,11 +414,12 @@ def _tile_table(ends, BM: int, T: int):
     return torch.stack([ec, m0, m1]).to(torch.int32)
 
 
-def triton_grouped_linear(x, weight, weight_scale_inv, ends):
+def triton_grouped_linear(x, weight, weight_scale_inv, ends, tiles=None):
     """Every expert's fp8 linear in one launch: x [M, K] with rows sorted by expert, weight fp8 [E, N, K], scales
     [E, Nb, Kb], ends [E] the cumulative row counts (rows ends[e-1]:ends[e] times expert e's weight) -> [M, N] in
     x.dtype; each row's result is triton_linear's for that row and its expert's matrix. No host read of ends:
-    FP8Experts' forward stays capturable in the engine's CUDA graphs. CUDA, or CPU under TRITON_INTERPRET=1."""
+    FP8Experts' forward stays capturable in the engine's CUDA graphs. CUDA, or CPU under TRITON_INTERPRET=1.
+    tiles: (BM, BN, num_warps, num_stages), by default tiles_for("grouped", ...)'s for an expert's average rows."""
     if not dsa_triton.available(x):
         raise RuntimeError("fp8.triton_grouped_linear needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
     interpret = dsa_triton._interpret()
@@ -379,20 +428,23 @@ def triton_grouped_linear(x, weight, weight_scale_inv, ends):
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
         return y
-    BM, BN, warps = _tiles(_cdiv(M, E))  # tiles sized for an expert's average share of the rows
+    BM, BN, warps, stages = tiles or tiles_for("grouped", _cdiv(M, E), N, K, x.device)  # an expert's average rows
     T = _cdiv(M, BM) + E
     tiles = _tile_table(ends, BM, T)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         kernel[(T, _cdiv(N, BN))](
             x, weight, weight_scale_inv, y, y, tiles, M, N, K, *x.stride(), *weight.stride(),
             *weight_scale_inv.stride(), *y.stride(), BM=BM, BN=BN, BK=BLOCK, HAS_BIAS=False, AMAX_MIN=AMAX_MIN,
-            QMAX=E4M3_MAX, ROUND_FIRST=interpret, GROUPED=True, num_warps=warps, num_stages=3)
+            QMAX=E4M3_MAX, ROUND_FIRST=interpret, GROUPED=True, num_warps=warps, num_stages=stages)
     return y
 
 
 # ----------------------------------------------------------------------------------------------- dispatch
 
 _PATHS: dict[torch.device, tuple[str, ...]] = {}  # device -> the fast paths that passed the check there
+# A fast path agrees with the CPU reference when max |y - ref| / max |ref| is below this (bf16 outputs: about 2^-9 of
+# the largest; a wrong scale is off by far more). _check_paths' bound, and bench/fp8_tiles.py's for each tile shape
+PATH_TOL = 2 ** -6
 
 
 def _working_paths(device) -> tuple[str, ...]:
@@ -435,7 +487,7 @@ def _check_paths(device) -> tuple[str, ...]:
             print(f"[fp8] {name} does not run on {device} ({type(e).__name__}: {str(e)[:200]})")
             continue
         err = ((y - ref).abs().max() / ref.abs().max()).item()
-        if err < 2 ** -6:  # bf16 outputs: about 2^-9 of the largest; a wrong scale is off by far more
+        if err < PATH_TOL:
             found.append(name)
         else:
             print(f"[fp8] {name} disagrees with the reference on {device} (error {err:.2e}): not used")

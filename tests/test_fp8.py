@@ -250,6 +250,127 @@ def test_fp8_linear_runs_the_kernel_under_the_interpreter(interpreter, monkeypat
     assert calls == [1]
 
 
+def grouped_case(counts, N, K, seed):
+    """Experts' weights [E, N, K] (blocky, ragged N and K), rows sorted by expert (counts[e] rows for expert e, 0 for
+    some) and their ends; -> (x [M, K], w [E, N, K] float, q, s, ends)."""
+    E = len(counts)
+    w = torch.stack([blocky(N, K, seed=seed + e) for e in range(E)])
+    q, s = fp8.quantize(w)
+    x = blocky(sum(counts), K, seed=seed + 100, rows=1, lo=-4, hi=4)
+    return x, w, q, s, torch.tensor(counts).cumsum(0)
+
+
+def grouped_ref(x, w, ends):
+    """float64: each expert's rows times its matrix (ref_linear), in row order (an expert without rows adds none)."""
+    starts = [0] + ends[:-1].tolist()
+    return torch.cat([ref_linear(x[a:b], w[e]) for e, (a, b) in enumerate(zip(starts, ends.tolist())) if b > a])
+
+
+def test_every_tile_candidate_is_within_the_bound_in_the_interpreter(interpreter):
+    """Each launch shape the GPU sweep may write into the tile table (fp8.TILE_CANDIDATES) computes the float64
+    reference within the fp32 bound, dense and grouped: ragged rows (21: no tile height divides them), columns (200)
+    and K (300: three K blocks, the last partial); two of the five experts with no rows. num_warps and num_stages do
+    not change what the interpreter runs (one program at a time), so each (BM, BN) runs once; the GPU sweep checks
+    every full candidate on the device against the reference."""
+    assert all(fp8._tiles(M) in fp8.TILE_CANDIDATES for M in range(1, 5000))  # the fallback is the sweep's baseline
+    w, q, s, b = quantized(200, 300, seed=7)
+    x = blocky(21, 300, seed=8, rows=1, lo=-4, hi=4)
+    ref = ref_linear(x, w, b)
+    xg, wg, qg, sg, ends = grouped_case([0, 9, 1, 0, 11], 200, 300, seed=9)
+    ref_g = grouped_ref(xg, wg, ends)
+    shapes = {}
+    for c in fp8.TILE_CANDIDATES:
+        shapes.setdefault(c[:2], c)
+    assert len(shapes) >= 8
+    for c in shapes.values():
+        check(fp8.triton_linear(x, q, s, b, tiles=c), ref, FP32_TOL, what=f"dense {c}")
+        check(fp8.triton_grouped_linear(xg, qg, sg, ends, tiles=c), ref_g, FP32_TOL, what=f"grouped {c}")
+
+
+class Launches:
+    """A stand-in for fp8._compiled's kernel that records each launch's grid and launch shape, then launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((tuple(grid), kw["BM"], kw["BN"], kw["num_warps"], kw["num_stages"]))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def test_a_tile_table_entry_is_the_launch_shape_when_its_key_matches(interpreter, monkeypatch):
+    """fp8.TUNED_TILES: an entry for the device's architecture ("cpu" here), kind, row bucket, N and K sets the
+    launch (its BN and BM change the grid); a key it does not name (another N, another bucket, the grouped kind)
+    takes _tiles' rule. The results stay the reference's either way."""
+    real = fp8._compiled
+    launches = Launches(real(True))
+    monkeypatch.setattr(fp8, "_compiled", lambda interpret: launches)
+    monkeypatch.setitem(fp8.TUNED_TILES, "cpu", {("dense", 8, 200, 300): (16, 32, 8, 2),
+                                                  ("grouped", 8, 200, 300): (32, 128, 8, 4)})
+    w, q, s, b = quantized(200, 300, seed=7)
+    x = blocky(5, 300, seed=8, rows=1, lo=-4, hi=4)
+    check(fp8.triton_linear(x, q, s, b), ref_linear(x, w, b), FP32_TOL, what="tuned dense")
+    assert launches.seen[-1] == ((1, 7), 16, 32, 8, 2)  # 200 columns in tiles of 32; _tiles: 4 of 64
+    fp8.triton_linear(x[:, :299], q[:, :299], s, b)  # K 299: not the entry's key
+    fp8.triton_linear(torch.cat([x, x]), q, s, b)  # 10 rows: bucket 16
+    assert launches.seen[-2:] == [((1, 4), 16, 64, 4, 3)] * 2
+    xg, wg, qg, sg, ends = grouped_case([0, 9, 1, 0, 11], 200, 300, seed=9)  # 21 rows, 5 experts: 5 a share, bucket 8
+    check(fp8.triton_grouped_linear(xg, qg, sg, ends), grouped_ref(xg, wg, ends), FP32_TOL, what="tuned grouped")
+    assert launches.seen[-1] == ((1 + 5, 2), 32, 128, 8, 4)  # ceil(21 / 32) + E row tiles; _tiles: ceil(21 / 16) + E
+    monkeypatch.setitem(fp8.TUNED_TILES, "cpu", {})
+    fp8.triton_grouped_linear(xg, qg, sg, ends)
+    assert launches.seen[-1] == ((2 + 5, 4), 16, 64, 4, 3)
+    assert fp8.tiles_for("dense", 5, 200, 300, "cuda:0" if torch.cuda.is_available() else "cpu") == fp8._tiles(5)
+
+
+def test_the_sweep_writes_the_tile_table_as_fp8_reads_it(tmp_path, capsys, monkeypatch):
+    """bench/fp8_tiles.py --write's rewrite of the table in a copy of fp8.py: a measured key whose choice is not _tiles'
+    rule becomes an entry, one whose choice is the rule loses its entry, another architecture's entries stay; the file
+    stays Python whose TUNED_TILES is that table. fp8.py's own table is what the writer reads. On a CPU the sweep
+    refuses in one line."""
+    import ast
+    import json
+    from bench import fp8_tiles
+
+    def table_of(path):
+        tree = ast.parse(open(path).read())
+        (value,) = [n.value for n in tree.body if isinstance(n, ast.AnnAssign) and n.target.id == "TUNED_TILES"]
+        return ast.literal_eval(value)
+
+    text = open(fp8_tiles.FP8_PY).read()
+    block = text.split(fp8_tiles.BEGIN)[1].split(fp8_tiles.END)[0]
+    assert ast.literal_eval("{" + block + "}") == fp8.TUNED_TILES == table_of(fp8_tiles.FP8_PY)
+    path = tmp_path / "fp8.py"
+    path.write_text(text)
+    fb = fp8._tiles(64)
+    fp8_tiles.write_table(path, "sm_90", {("dense", 64, 768, 2048): ((16, 32, 4, 3), fb),
+                                          ("grouped", 4, 3072, 2048): (fp8._tiles(4), fp8._tiles(4))}, "GPU A")
+    fp8_tiles.write_table(path, "sm_100", {("dense", 256, 576, 2048): ((64, 64, 4, 4), fp8._tiles(256))}, "GPU B")
+    assert table_of(path) == {"sm_90": {("dense", 64, 768, 2048): (16, 32, 4, 3)},
+                              "sm_100": {("dense", 256, 576, 2048): (64, 64, 4, 4)}}
+    fp8_tiles.write_table(path, "sm_90", {("dense", 64, 768, 2048): (fb, fb)}, "GPU C")  # the rule won this time
+    assert table_of(path) == {"sm_100": {("dense", 256, 576, 2048): (64, 64, 4, 4)}}
+    assert '"sm_100": {  # GPU B' in path.read_text()
+    outside = lambda t: t.replace(t.split(fp8_tiles.BEGIN)[1].split(fp8_tiles.END)[0], "")  # noqa: E731
+    assert outside(path.read_text()) == outside(text)  # nothing else of the file changed
+    # --from a GPU sweep's JSON (here a made-up one of its form) --write: the same rewrite, on any machine
+    key = dict(kind="dense", name="Flash self_attn.kv_a_proj_with_mqa", N=576, K=2048, rows=256, M=256, bucket=256,
+               copies=64, fallback=list(fp8._tiles(256)), choice=[64, 64, 4, 3], fallback_us=9.0, choice_us=6.0,
+               bf16_us=7.0, candidates={"64,64,4,3": dict(err=2e-3, us=6.0), "128,64,4,3": dict(err=0.5, us=None)})
+    sweep = dict(device="GPU D", arch="sm_90", torch="2.x", triton="3.x", reps=7, margin=0.03, keys=[key])
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    monkeypatch.setattr(fp8_tiles, "FP8_PY", str(path))
+    assert fp8_tiles.main(["--from", str(tmp_path / "sweep.json"), "--write"]) == 0
+    assert table_of(path)["sm_90"] == {("dense", 256, 576, 2048): (64, 64, 4, 3)}
+    out = capsys.readouterr().out
+    assert "| dense | Flash self_attn.kv_a_proj_with_mqa | 576 x 2048 | 256 | 256 |" in out and "1.50x" in out
+    assert "(128,64,4,3) error 5.0e-01" in out
+    if not torch.cuda.is_available():
+        assert fp8_tiles.main([]) == 2 and capsys.readouterr().out.count("\n") == 1
+
+
 COMPILE_SCRIPT = """
 import triton
 from machinery import fp8
@@ -260,13 +381,13 @@ from triton.runtime.jit import JITFunction
 fn = JITFunction(fp8._gemm_kernel)
 for M in (1, 4096):  # a decode step (mma.sync tiles of 16 rows) and a prefill (wgmma)
   for grouped in (False, True):  # one matrix; every expert's in one launch (FP8Experts)
-    BM, BN, warps = fp8._tiles(M)
+    BM, BN, warps, stages = fp8._tiles(M)
     consts = dict(BM=BM, BN=BN, BK=128, HAS_BIAS=not grouped, AMAX_MIN=fp8.AMAX_MIN, QMAX=fp8.E4M3_MAX,
                   ROUND_FIRST=False, GROUPED=grouped, sxk=1, swk=1, swsk=1, syn=1)
     ptr = dict(X="*bf16", W="*fp8e4nv", WS="*fp32", BIAS="*bf16", Y="*bf16", TILES="*i32")
     sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=warps, num_stages=3))
+                       options=dict(num_warps=warps, num_stages=stages))
     assert k.asm["cubin"] and "cvt.rn.satfinite.e4m3x2" in k.asm["ptx"], M
     print(M, grouped, "ok")
 """
