@@ -225,9 +225,9 @@ def full_weights(model, dtype=None, quantization=None, base=False):
     bf16 travels), so beyond the training state only one full tensor exists at a time. Every rank
     must consume the whole sequence: each gather is a collective. quantization "fp8": each decoder linear
     weight, once gathered (and cast to dtype: one rounding path with FSDP or without), is quantized here on
-    the learner's device (fp8.quantized_weights), so half the bytes travel to the generator. With LoRA the
-    generator holds the frozen base already and only the adapters move, unless base=True (the first publish of
-    RL, after the warm-up stages changed the base)."""
+    the learner's device (fp8.quantized_weights), so those weights' bytes halve on the way. With LoRA the
+    generator holds the frozen base already and only the adapters move, unless base=True (RL's first publish to an
+    engine with its own copy of the base, which the warm-ups changed; one sharing the learner's needs none)."""
     if hasattr(unwrap(model), "lora") and not base:  # LoRA: only the adapters move
         return ((name, p.detach()) for name, p in lora.adapter_named(unwrap(model)))
 
