@@ -356,6 +356,7 @@ def _row_bucket(rows: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # (a launch asks: the decode loop's hot path)
 def _arch(device: torch.device) -> str:
     """The tile table's architecture key of a device: "sm_90" (compute capability 9.0), or the device type ("cpu")."""
     if device.type != "cuda":

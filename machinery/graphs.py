@@ -34,13 +34,20 @@ def draft_forward(model, pool: PagedKVCache, hidden, tokens, pos, keys, valid):
     decode_forward's -> logits [B, V] (its head's, from which the next draft is sampled) and the layer's output
     [B, hidden] (before shared_head.norm: the next chained step's hidden)."""
     layer = model.mtp[str(model.cfg.num_layers)]
-    embed, head = mtp.embed_and_head(model, layer)
+    out = mtp_decode(model, pool, hidden, tokens, pos, keys, valid)
+    return mtp.embed_and_head(model, layer)[1](layer.shared_head.norm(out)), out
+
+
+def mtp_decode(model, pool: PagedKVCache, hidden, tokens, pos, keys, valid):
+    """The model's first MTP layer over the paged pool at one position per row (draft_forward's, and the draft
+    extend's in speculative.mtp_rows): hidden [B, hidden], tokens, pos [B, 1], keys, valid [B, Lk] -> its output
+    [B, hidden], before shared_head.norm."""
+    layer = model.mtp[str(model.cfg.num_layers)]
     pool.keys, pool.key_valid, pool.slots = keys, valid, keys[:, -1]
     try:
-        out = layer.body(embed, hidden[:, None], tokens, pos, cache=pool)[:, -1]
+        return layer.body(mtp.embed_and_head(model, layer)[0], hidden[:, None], tokens, pos, cache=pool)[:, -1]
     finally:  # the next forward (a prefill) must not see them
         pool.keys = None
-    return head(layer.shared_head.norm(out)), out
 
 
 def key_slots(table, pos, Lk: int):

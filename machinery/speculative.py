@@ -88,7 +88,7 @@ import torch
 
 from families import mtp
 from families.mla_moe import no_route
-from machinery.graphs import decode_forward, draft_forward, key_slots
+from machinery.graphs import decode_forward, draft_forward, key_slots, mtp_decode
 from machinery.sampler import sample_keys, sample_tokens
 
 PROBE_EVERY = 8  # an adaptive Speculative runs every PROBE_EVERY-th call in the slower mode: that mode's figure, fresh
@@ -353,11 +353,7 @@ def mtp_rows(engine, hidden, next_ids, pos, keys=None, valid=None):
     embed = mtp.embed_and_head(m, layer)[0]
     if keys is None:
         return layer.body(embed, hidden[None], next_ids[None], pos[None], cache=pool, keep=slice(-1, None))[0]
-    pool.keys, pool.key_valid, pool.slots = keys, valid, keys[:, -1]
-    try:
-        return layer.body(embed, hidden[:, None], next_ids[:, None], pos[:, None], cache=pool)[:, -1]
-    finally:  # the next forward (a prefill) must not see them
-        pool.keys = None
+    return mtp_decode(m, pool, hidden, next_ids[:, None], pos[:, None], keys, valid)
 
 
 def clear_slots(pool, slots, clear):
