@@ -16,6 +16,23 @@ def write_results(args, result, md):
             f.write(md + "\n")
 
 
+
+def profile_to(path, fn, rows=40):
+    """Run fn() once under torch.profiler and write its ops, most device time first (CUDA where there is one, else CPU),
+    to path: where a step's time goes, for a GPU session that has minutes to find out. Returns fn()'s result."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+    with open(path, "w") as f:
+        f.write(table + "\n")
+    return out
+
 # ----------------------------------------------------------------------------- demos: whole runs, one at a time
 # (bench/distill.py, bench/moe_demo.py)
 

@@ -9,6 +9,7 @@ generation. Writes the "moe-cpu" section of docs/benchmarks.md with --write ("mo
     python bench/moe.py --device cuda --shape flash      # GLM-4.7-Flash cut to 4 layers on a GPU (bench/gpu.sh part 8)
     python bench/moe.py --device cuda --shape flash --part learner --no-cast-cache   # the learner casting the experts
                                                          # in every forward and recompute, as before kernels/moe.CastCache
+    python bench/moe.py --device cuda --shape flash --profile prof   # ... and where the time goes: op tables in prof/
     python bench/moe.py --quick --shape tiny,flash       # both paths on a CPU, flash's widths shrunk: a smoke test
                                                          # (bench/gpu.sh --dry's part 8, tests/test_bench.py)
 
@@ -66,7 +67,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench import write_results  # noqa: E402
+from bench import profile_to, write_results  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from bench.engine import engine_runner, timed, workloads  # noqa: E402
 from bench.learner import SHAPES as LEARNER_SHAPES  # noqa: E402
@@ -361,6 +362,8 @@ def learner_part(ours, hf, samples, device, args, free_ours=False):
                     if i:
                         times[s].append(t)
             peaks[s] = (p.peak, p.before)
+            if args.profile and s in times and s not in errors:  # one more step, untimed, under the profiler
+                profile_to(os.path.join(args.profile, f"learner_{s}.txt"), lambda s=s: attempt(s))
             if s == "fresh":  # ours done: its gradients go (its weights and AdamW state stay, unless free_ours)
                 ours.zero_grad(set_to_none=True)
     for s in names:
@@ -479,6 +482,10 @@ def flash_engine(gen, hf, arch, device, args):
                     assert all(len(c.token_ids) == n for c in out)  # no stop tokens: every row runs to the limit
             try:
                 gen_n(args.new_tokens)  # warm-up: the pool sized, kernels chosen, every bucket captured
+                if args.profile and kind in ("graphs", "hf", "fp8 graphs"):  # untimed: a prefill, then 16 tokens
+                    name = f"{kind.replace(' ', '_')}_{B}"
+                    profile_to(os.path.join(args.profile, f"prefill_{name}.txt"), lambda: gen_n(1))
+                    profile_to(os.path.join(args.profile, f"generate16_{name}.txt"), lambda: gen_n(16))
                 with Peak(device) as p:
                     times = {}
                     for n in (1, args.new_tokens):  # 1 new token = the prefill (and one sampling step)
@@ -651,11 +658,15 @@ def main(argv=None):
     ap.add_argument("--no-fp8", action="store_true", help="flash: no fp8 generator rows")
     ap.add_argument("--no-cast-cache", action="store_true", help="ours casts the routed experts to bf16 in every "
                     "forward and recompute (kernels/moe.CAST_CACHE off: the path before the cast cache)")
+    ap.add_argument("--profile", metavar="DIR", help="also run one untimed learner step per side and (flash) a prefill "
+                    "and a 16-token generate per engine under torch.profiler: their op tables, most device time first")
     ap.add_argument("--json", help="write the raw results here")
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks.md"), help="the file --write updates")
     ap.add_argument("--write", action="store_true", help="write the section into --out (docs/benchmarks.md)")
     args = ap.parse_args(argv)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     moe_kernels.CAST_CACHE = not args.no_cast_cache
     args.shapes = (args.shape or ("tiny" if args.quick else "tiny,wide")).split(",")
     is_flash = "flash" in args.shapes
