@@ -139,7 +139,9 @@ def experts_forward(x, idx, w, gate_up, down):
     (fp32 from the router), gate_up [E, 2I, H], down [E, H, I] (cast to x's dtype here, as autocast casts a
     linear's weight; mla_moe.Experts hands in CastCache's copies under autocast) -> [N, H] in x's dtype. The
     product w * expert(x) is rounded to x's dtype, the sum over k accumulates in fp32 (torch's reductions do) and
-    is rounded once."""
+    is rounded once, to x's dtype: CUDA's autocast runs sum in fp32 and returns fp32 (the CPU's does not), and an
+    fp32 result here would turn the residual stream fp32 from the first MoE layer on (every later layer's experts
+    then fp32, off torch._grouped_mm's bf16 kernel: the learner at 0.85x transformers on an H200)."""
     N, H = x.shape
     k = idx.shape[1]
     order, offs = expert_order(idx, gate_up.shape[0])
@@ -147,7 +149,7 @@ def experts_forward(x, idx, w, gate_up, down):
     gate, up = grouped_mm(xs, gate_up.to(x.dtype).transpose(1, 2), offs).chunk(2, dim=-1)  # [N*k, I] each
     ys = grouped_mm(F.silu(gate) * up, down.to(x.dtype).transpose(1, 2), offs)  # [N*k, H], sorted
     ys = _Unsort.apply(ys, order).view(N, k, H)  # back in slot order: token n's k results together
-    return (ys * w.to(ys.dtype)[..., None]).sum(1)
+    return (ys * w.to(ys.dtype)[..., None]).sum(1).to(x.dtype)
 
 
 # ----------------------------------------------------------------------------- the weights, cast once a step

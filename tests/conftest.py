@@ -42,3 +42,36 @@ def compile_for_h100(script):
         pytest.skip("no ptxas in this triton install")
     assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+class CudaAutocastFP32Ops:
+    """CUDA autocast's float32 ops on a CPU: under torch.autocast("cpu") each of these returns fp32, as CUDA's autocast
+    policy runs them (sum, softmax, exp, pow, ... in fp32; the CPU's list is shorter). A model that is bf16 under the
+    CPU's autocast but turns fp32 on a GPU shows it here. Use as a context manager (a TorchFunctionMode)."""
+    OPS = ("sum", "prod", "cumsum", "cumprod", "softmax", "log_softmax", "exp", "log", "pow", "rsqrt", "norm")
+
+    def __init__(self):
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        names = self.OPS
+        funcs = {f for n in names for f in (getattr(torch, n, None), getattr(torch.Tensor, n, None),
+                                            getattr(torch.nn.functional, n, None)) if f is not None}
+        funcs |= {torch.Tensor.__pow__}
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if (func in funcs and torch.is_autocast_enabled("cpu") and isinstance(out, torch.Tensor)
+                        and out.dtype in (torch.bfloat16, torch.float16)):
+                    return out.float()
+                return out
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)

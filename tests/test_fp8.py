@@ -342,6 +342,7 @@ def test_the_sweep_writes_the_tile_table_as_fp8_reads_it(tmp_path, capsys, monke
     text = open(fp8_tiles.FP8_PY).read()
     block = text.split(fp8_tiles.BEGIN)[1].split(fp8_tiles.END)[0]
     assert ast.literal_eval("{" + block + "}") == fp8.TUNED_TILES == table_of(fp8_tiles.FP8_PY)
+    text = text.replace(fp8_tiles.BEGIN + block, fp8_tiles.BEGIN)  # the copy starts from an empty table
     path = tmp_path / "fp8.py"
     path.write_text(text)
     fb = fp8._tiles(64)

@@ -596,6 +596,32 @@ def test_expert_weights_cast_once_per_step_across_forwards_and_recomputes():
     assert all(e.casts.casts == 0 for e in experts_of(plain) + experts_of(bf16))
 
 
+
+def test_the_residual_stream_stays_bf16_under_cudas_autocast_policy():
+    """CUDA's autocast runs sum (and softmax, exp, ...) in fp32 and returns fp32, where the CPU's returns bf16: the
+    experts' sum over k came back fp32 on an H200, the residual stream turned fp32 from the first MoE layer on and
+    every later layer's experts ran fp32, off the cast cache and torch._grouped_mm (found by profile: 0.85x
+    transformers). With that policy emulated on a CPU (conftest.CudaAutocastFP32Ops), every MoE layer's experts see
+    bf16 and take their bf16 copies (2 casts a layer), forward and recompute, and the logits are those of the plain
+    CPU autocast."""
+    from conftest import CudaAutocastFP32Ops
+    m = cast_model()
+    m.gradient_checkpointing = True
+    seen = []
+    hooks = [e.register_forward_pre_hook(lambda mod, a: seen.append(a[0].dtype)) for e in experts_of(m)]
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain = m(ids).detach()
+    with CudaAutocastFP32Ops():  # the forward, and backward's recompute (checkpointing restores the autocast)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cuda_like = m(ids)
+        cuda_like.float().logsumexp(-1).mean().backward()
+    for h in hooks:
+        h.remove()
+    assert seen and all(d == torch.bfloat16 for d in seen), seen
+    assert [e.casts.casts for e in experts_of(m)] == [2, 2]
+    torch.testing.assert_close(cuda_like.float(), plain.float(), rtol=0, atol=0)
+
 def test_frozen_expert_weights_are_cast_once_for_good():
     """LoRA's way (frozen experts, no optimizer holds them) with fp32 weights under autocast: their copies are made
     by the first step and kept through the later ones; the trained weights' gradients are unchanged by it."""
