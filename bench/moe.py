@@ -463,6 +463,7 @@ def flash_engine(gen, hf, arch, device, args):
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=())
         kinds = (["graphs"] if device.type == "cuda" else []) + ["eager"] + (["hf"] if hf is not None else [])
         kinds += [f"fp8 {k}" for k in kinds if k != "hf"] if fp8_gen is not None else []
+        kinds = [k for k in kinds if args.engines is None or k in args.engines]
         for kind in kinds:
             if kind == "hf":
                 ids = torch.tensor(prompts, device=device)
@@ -656,6 +657,8 @@ def main(argv=None):
                     help="flash: no gradient checkpointing (default on there, off on tiny / wide, as their configs)")
     ap.add_argument("--no-hf", action="store_true", help="ours only (no transformers side)")
     ap.add_argument("--no-fp8", action="store_true", help="flash: no fp8 generator rows")
+    ap.add_argument("--engines", type=lambda s: s.split(","), help="flash: only these engine rows, comma-separated, of "
+                    "graphs, eager, hf, 'fp8 graphs', 'fp8 eager' (default all)")
     ap.add_argument("--no-cast-cache", action="store_true", help="ours casts the routed experts to bf16 in every "
                     "forward and recompute (kernels/moe.CAST_CACHE off: the path before the cast cache)")
     ap.add_argument("--profile", metavar="DIR", help="also run one untimed learner step per side and (flash) a prefill "

@@ -65,11 +65,11 @@ def grouped_mm(a, b, offs):
     if _grouped_mm_runs(a, b):
         return _ContiguousGrad.apply(torch._grouped_mm(a, b, offs))
     ends = offs.tolist()
-    outs, start = [], 0
-    for e, end in enumerate(ends):
-        if end > start:  # an expert no token chose costs nothing (and gets a zero gradient)
-            outs.append(a[start:end] @ b[e])
-        start = end
+    sizes = [end - start for start, end in zip([0] + ends[:-1], ends)]
+    # split and unbind: their backwards put the pieces' gradients together once (a[start:end] and b[e] would each
+    # zero-fill a whole a or b per expert and add them up: E passes over the experts' weights in every backward)
+    outs = [part @ w for part, w, n in zip(a.split(sizes), b.unbind(0), sizes)
+            if n]  # an expert no token chose costs nothing (and gets a zero gradient)
     if not outs:
         return a.new_zeros(a.shape[0], b.shape[2])
     return torch.cat(outs)

@@ -46,7 +46,7 @@ from machinery import fp8, lora
 from machinery.graphs import DecodeGraphs, decode_forward, key_slots
 from machinery.sampler import _M32, request_seeds, sample_keys, sample_tokens
 from machinery.sampler import _mix32, _vocab_hash  # noqa: F401 (importable from here: the sampler's tests)
-from machinery.scheduler import Completion, Request, SamplingParams, Scheduler, extend_routes
+from machinery.scheduler import Completion, Request, SamplingParams, Scheduler, extend_routes, slots_of
 from machinery.scheduler import ADMIT_FRACTION, PREFILL_TOKENS  # noqa: F401 (importable from here: memory.py's)
 from machinery.sglang import SGLANG_MISSING, SGLangEngine  # noqa: F401 (make_engine's other engine)
 from machinery.speculative import Speculative, synced
@@ -381,21 +381,18 @@ class TorchEngine:
             seen[u] += 1
         starts = [0, *itertools.accumulate(len(c) for c in uniq)]  # each distinct context's first token in the row
 
-        def slots_of(r, n):  # the pool slots of a request's first n positions
-            return [r.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
-
         # Host lists, one tensor each (a tensor per request would cost more than the tiny model's prefill):
         # the row's token ids, positions restarting at 0 per context, the slots of each context's first
         # request [T]; then per further copy, its requests' slots and the row tokens they take keys from
         dev = self.device
-        ids = to_device([t for c in uniq for t in c], dev, torch.long)
-        pos = torch.tensor([p for c in uniq for p in range(len(c))])
+        ids = to_device(np.concatenate([np.asarray(c, dtype=np.int64) for c in uniq]), dev)
+        pos = torch.from_numpy(np.concatenate([np.arange(len(c)) for c in uniq]))
         by_copy = collections.defaultdict(list)
         for r, (u, k) in zip(new, copy):
             by_copy[k].append((r, u))
-        self.pool.slots = to_device([s for r, u in by_copy[0] for s in slots_of(r, len(uniq[u]))], dev, torch.long)
-        self.pool.copies = [(to_device([s for r, u in by_copy[k] for s in slots_of(r, len(uniq[u]))], dev, torch.long),
-                             to_device([starts[u] + p for r, u in by_copy[k] for p in range(len(uniq[u]))], dev, torch.long))
+        self.pool.slots = to_device(np.concatenate([slots_of(r.blocks, len(uniq[u])) for r, u in by_copy[0]]), dev)
+        self.pool.copies = [(to_device(np.concatenate([slots_of(r.blocks, len(uniq[u])) for r, u in by_copy[k]]), dev),
+                             to_device(np.concatenate([starts[u] + np.arange(len(uniq[u])) for r, u in by_copy[k]]), dev))
                             for k in range(1, len(by_copy))]
         ends = to_device(starts[1:], dev, torch.long) - 1  # each distinct context's last token
         pick = to_device([u for u, _ in copy], dev, torch.long)  # each request's context
@@ -512,9 +509,7 @@ class TorchEngine:
         if not self.pool.routes:
             return None
         n = [int(self.sched.pos[b]) for b in rows]
-        slots = [blk * BLOCK_SIZE + p % BLOCK_SIZE for b, m in zip(rows, n)
-                 for p, blk in ((p, self.sched.running[b].blocks[p // BLOCK_SIZE]) for p in range(m))]
-        idx = to_device(slots, self.device, torch.long)
+        idx = to_device(np.concatenate([slots_of(self.sched.running[b].blocks, m) for b, m in zip(rows, n)]), self.device)
         out = torch.stack([r.index_select(0, idx) for r in self.pool.routes], 1).to("cpu", non_blocking=True)
         return out.split(n)
 

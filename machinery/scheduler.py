@@ -17,7 +17,7 @@ never touches the device, so it reads, and is tested (tests/test_scheduler.py), 
 The KV pool is a model.PagedKVCache: num_blocks blocks of BLOCK_SIZE token slots. `free` is its free list
 itself (PagedKVCache.free, popped from the end: the lowest block id first); a request's `blocks` are its
 block ids in position order, so position p of its context lives in slot
-blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE.
+blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE (slots_of).
 
 Here too: the calls' small types, SamplingParams and Completion (both engines', importable from engine.py),
 and Request, one request's books.
@@ -78,6 +78,13 @@ class Request:
     park: bool = False  # ... and parks its own when it ends (not freed), for the trajectory's next turn
     cached: int = 0  # leading positions of its context whose KV its blocks already hold (a parked prefix)
     routes: torch.Tensor | None = None  # MoE: [positions, n_moe, k] routes landed so far (extend_routes)
+
+
+def slots_of(blocks: list[int], n: int) -> np.ndarray:
+    """The pool slots [n] int64 of a context's first n positions, its blocks in position order (numpy: a prefill of
+    4096 tokens asks for 4096 of them, and a list made position by position cost the engine milliseconds a chunk)."""
+    held = np.asarray(blocks[:-(-n // BLOCK_SIZE)], dtype=np.int64)
+    return (held[:, None] * BLOCK_SIZE + np.arange(BLOCK_SIZE)).reshape(-1)[:n]
 
 
 def extend_routes(old, new):
