@@ -7,7 +7,7 @@
 #   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
 #   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
 #
-# Parts, in the order they run (their timeouts: T1 ... T10, T4a ... T4e; all of them within BUDGET seconds from the
+# Parts, in the order they run (their timeouts: T1 ... T10, T4a ... T4f; all of them within BUDGET seconds from the
 # start: what has not run on a GPU yet comes first, so a part the budget cuts is one measured before):
 #   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
 #       CUDA branch when there is one, found in tests/ by name (the MoE model's and engine's CUDA tests too, by the
@@ -27,8 +27,10 @@
 #   7   bench/colocate.py: the co-located handoff (train.colocate) on a 4-layer cut of GLM-Z1-9B, LoRA and full: each
 #       handoff's seconds, what the first generate after one costs (a new KV pool, CUDA graphs captured again) beside
 #       one with no handoff before it, and each phase's peak memory beside the plan's (run after part 3)
-#   4   bench/scale.py, with and without the Triton kernels: 4a/4b dense, 4c/4d DSA (sequences past top-k);
-#       4e dense with an fp8 generator (rollout.quantization: fp8): its decode tokens/s beside 4a's
+#   4   bench/scale.py, with and without the Triton kernels: 4a/4b dense (4a with transformers' prefill of the same
+#       prompts beside ours: --hf), 4c/4d DSA (sequences past top-k); 4e dense with an fp8 generator
+#       (rollout.quantization: fp8): its decode tokens/s beside 4a's; 4f dense at 16 layers, deep enough that the
+#       decoder's matmuls are 84% of a token's FLOPs: the learner's MFU and decode's share of the roofline
 #   5   the tiny default run on one GPU (configs/tiny_cpu.yaml), its final held-out accuracy against the README's
 #       CPU seeds
 #   6   bench/fp8.py: FP8 generator weights at GLM-Z1-9B's shapes: quantization error, quantize time, and the fp8
@@ -188,7 +190,7 @@ EOF
 )"
 
 # ---------------------------------------------------------------------------------------------------------- parts
-# (a part's number selects its lettered parts: --parts 4 runs 4a ... 4e, and --parts 1 not part 10)
+# (a part's number selects its lettered parts: --parts 4 runs 4a ... 4f, and --parts 1 not part 10)
 wanted() { [[ -z "$PARTS" ]] || [[ ",$PARTS," == *",$1,"* ]] || [[ ",$PARTS," == *",${1%%[a-z]*},"* ]]; }
 
 record() {  # part name status rc seconds timeout log: one line of status.tsv, then summary.md again
@@ -333,7 +335,7 @@ EOF
 }
 
 # ------------------------------------------------------------------------------------------------------ the parts
-say "plan: parts 1 (GPU-only tests), 8 (MoE), 3 (memory), 2 (parity), 7 (colocate handoff), 4a-4e (speed), 5 (tiny run), 6 (fp8),"
+say "plan: parts 1 (GPU-only tests), 8 (MoE), 3 (memory), 2 (parity), 7 (colocate handoff), 4a-4f (speed), 5 (tiny run), 6 (fp8),"
 say "      9 (speculative decode), 10 (fp8 tile table); budget ${BUDGET}s"
 if [[ $DRY == 1 ]]; then
     say "part 1 would run: ${GPU_TESTS:-none found}"
@@ -372,12 +374,14 @@ else
 fi
 
 SCALE="$PY bench/scale.py --device cuda --layers 4"
-run_part 4a "speed dense kernels" 60 1 "$SCALE --gen-batch 64,256 --new-tokens 128 --steps 2" x_scale
+run_part 4a "speed dense kernels" 75 1 "$SCALE --gen-batch 64,256 --new-tokens 128 --steps 2 --hf" x_scale
 run_part 4b "speed dense no kernels" 60 1 "$SCALE --gen-batch 64,256 --new-tokens 128 --steps 2 --no-kernels" x_scale
 DSA_SCALE="$SCALE --dsa --prompt 2048 --response 2048 --samples 4 --gen-batch 32 --new-tokens 64 --steps 1"
 run_part 4c "speed DSA kernels" 45 1 "$DSA_SCALE" x_scale
 run_part 4d "speed DSA no kernels" 100 1 "$DSA_SCALE --no-kernels" x_scale  # (45 s timed out on an H100)
 run_part 4e "speed dense fp8 generator" 45 1 "$SCALE --gen-batch 64,256 --new-tokens 128 --steps 1 --fp8" x_scale
+run_part 4f "speed dense 16 layers" 100 1 \
+    "$PY bench/scale.py --device cuda --layers 16 --gen-batch 64,256 --new-tokens 128 --steps 2" x_scale  # (H200: 60 s)
 
 run_part 5 "tiny run" 150 1 \
     "rm -rf $OUT/5_tiny && $PY train.py train.learner_device=cuda:0 train.generator_device=cuda:0 run_dir=$OUT/5_tiny" x_tiny

@@ -47,7 +47,7 @@ from machinery import fp8  # noqa: E402
 from machinery import parallel  # noqa: E402
 import train  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
-from model import GLM, GLMConfig  # noqa: E402
+from model import GLM, GLMConfig, hf_name  # noqa: E402
 from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
 from rollout import RolloutBatch, Sample  # noqa: E402
 
@@ -101,8 +101,12 @@ def main():
     ap.add_argument("--no-kernels", action="store_true",
                     help="PyTorch paths instead of dsa_triton's kernels (DSA and the engine's sampler), to compare")
     ap.add_argument("--fp8", action="store_true", help="the generator's decoder linears in block-wise fp8 (rollout.quantization)")
+    ap.add_argument("--hf", action="store_true", help="also transformers' prefill (a 1-token generate) of the same prompts "
+                    "on the generator's weights (Glm4ForCausalLM; dense only), beside ours")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md (section scale)")
     args = ap.parse_args()
+    if args.hf and args.dsa:
+        sys.exit("error: --hf compares the dense model (transformers' Glm4ForCausalLM has no DSA)")
     dsa.USE_TRITON = not args.no_kernels
     for k, v in (TINY if args.tiny else FULL).items():
         if getattr(args, k) is None:
@@ -196,7 +200,7 @@ def main():
         min(context, arch.dsa.topk) if arch.dsa else context)  # per row per step (DSA: its top-k keys)
     if arch.dsa:  # and the indexer keys of every position, on F layers
         kv_read += arch.dsa.layer_kinds(arch.num_layers).count("F") * arch.dsa.head_dim * bf16 * context
-    gen = []
+    gen, hf_prefill = [], {}
     for B in batches:  # on CUDA each batch size runs eagerly, then as CUDA graphs (engine.DecodeGraphs)
         for graphs in (False, True) if device.type == "cuda" else (False,):
             engine.max_batch, engine.use_graphs, engine.graphs = B, graphs, None
@@ -221,6 +225,8 @@ def main():
                 full = 40 / arch.num_layers  # the published depth: layers' weights and KV scale, the rest stays
                 roof40 = B * hbm * 1e12 / (weight_bytes + (full - 1) * layer_bytes + B * kv_read * full)
             gen.append((B, graphs, times, decode, roof, roof40, peak_gib(device)))
+            if args.hf and not graphs and rank == 0:
+                hf_prefill[B] = hf_prefill_s(gen_model, arch, prompts, device)
 
     if rank != 0:
         return
@@ -253,13 +259,42 @@ def main():
     ]
     for B, graphs, times, decode, roof, roof40, mem in gen:
         share = f"{decode / roof:.0%} of {roof:.0f}; at 40 layers ~{decode / roof * roof40:.0f}" if roof else "n/a"
-        lines += [f"| generator prefill, {B} rows | {times[1]:.3f} s | {B * args.prompt / times[1]:.0f} | | |"] * (not graphs)
+        vs = f" ({hf_prefill[B] / times[1]:.2f}x transformers' {hf_prefill[B]:.3f} s)" if B in hf_prefill else ""
+        lines += [f"| generator prefill, {B} rows | {times[1]:.3f} s{vs} | {B * args.prompt / times[1]:.0f} | | |"] * (not graphs)
         lines += [f"| generator decode, {B} rows, {'CUDA graphs' if graphs else 'eager'} | "
                   f"{times[args.new_tokens] - times[1]:.2f} s | {decode:.0f} | {share} | {mem} |"]
     table = "\n".join(lines)
     print(table, flush=True)
     if args.write:
         write_section(os.path.join(ROOT, "docs", "benchmarks.md"), "scale", table)
+
+
+def hf_prefill_s(gen_model, arch, prompts, device):
+    """transformers' Glm4ForCausalLM on the generator's weights (its dtype): a 1-token generate of the prompts in one
+    batch (they are of one length: no padding), after a warm-up -> seconds. The model is freed before returning."""
+    import transformers
+    with torch.device("meta"):
+        hf = transformers.Glm4ForCausalLM(transformers.Glm4Config(**arch.to_hf()))
+    hf.load_state_dict({hf_name(n): t for n, t in gen_model.state_dict().items()}, assign=True)
+    with torch.device(device):  # (its buffers, which no state dict holds)
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.config)
+    hf = hf.to(device).eval()  # (assign: the generator's own tensors, no copy)
+    ids = torch.tensor(prompts, device=device)
+    with torch.no_grad():  # the same function: the two models' logits on one prompt (bf16 on cuda: rounding apart)
+        a, b = gen_model(ids[:1]).float(), hf(input_ids=ids[:1]).logits.float()
+    err = ((a - b).norm() / b.norm()).item()
+    if not err < 0.05:
+        raise SystemExit(f"error: transformers' copy of the generator gives other logits (relative error {err:.2e})")
+
+    def run():
+        with torch.no_grad():
+            hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                        max_new_tokens=1, pad_token_id=0, eos_token_id=None)
+        sync(device)
+    run()
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

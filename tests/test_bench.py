@@ -12,8 +12,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "5", "6", "7", "8", "9", "10"]
-CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "5", "6", "10"]
+PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "4f", "5", "6", "7", "8", "9", "10"]
+CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "4f", "5", "6", "10"]
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,9 @@ def test_dry_run_writes_its_files_and_summary(dry):
     assert not (out / "5_tiny").exists()
 
 
-@pytest.mark.parametrize("parts,runs", [("1", ["1"]), ("10", ["10"]), ("4", ["4a", "4b", "4c", "4d", "4e"])])
+@pytest.mark.parametrize("parts,runs", [("1", ["1"]), ("10", ["10"]), ("4", ["4a", "4b", "4c", "4d", "4e", "4f"])])
 def test_gpu_sh_parts_selects_by_the_whole_number(tmp_path, parts, runs):
-    """--parts: a number selects its part and its lettered ones (4: 4a ... 4e), never another number's (1 is not 10);
+    """--parts: a number selects its part and its lettered ones (4: 4a ... 4f), never another number's (1 is not 10);
     a rerun into the same OUTDIR keeps the other parts' status rows. Dry mode: only CUDA parts among these (skipped)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHON": sys.executable}
     out = tmp_path / "out"
@@ -276,3 +276,20 @@ def test_speculative_bench_accepts_at_the_controlled_rate(dry, p):
     # a row-verify emits its accepted drafts and one token: 1 + (p + p^2 + p^3) at k = 3 if no row were near its end
     assert 1 < row["tokens_per_verify"] <= 1 + p + p * p + p ** 3 + 0.15, row
     assert row["plain_tokens_per_s"] > 0 and row["spec_tokens_per_s"] > 0
+
+
+def test_scale_hf_prefill_runs_transformers_on_the_generators_weights(monkeypatch):
+    """bench/scale.py --hf: transformers' Glm4ForCausalLM takes the generator's own tensors and times a 1-token
+    generate; a copy that computes another function (a weight changed behind its back) is refused in one line."""
+    sys.path.insert(0, ROOT)
+    from bench import scale
+    from model import GLM, GLMConfig
+    torch.manual_seed(0)
+    gen = GLM(GLMConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                        head_dim=8, max_position_embeddings=64)).eval()
+    prompts = torch.randint(0, 64, (3, 10), generator=torch.Generator().manual_seed(1)).tolist()
+    assert scale.hf_prefill_s(gen, gen.cfg, prompts, torch.device("cpu")) > 0
+    real = GLM.__call__
+    monkeypatch.setattr(GLM, "__call__", lambda self, *a, **k: real(self, *a, **k) + 1.0)  # our logits, shifted
+    with pytest.raises(SystemExit, match="other logits"):
+        scale.hf_prefill_s(gen, gen.cfg, prompts, torch.device("cpu"))
