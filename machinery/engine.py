@@ -14,7 +14,9 @@ blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the
   admitted   when a row is free and the pool has blocks for its context, within the prefill budget
              (Scheduler.admit, whose docstring has every rule): it takes its blocks and a row
   prefill    _prefill: the admitted fresh contexts packed into one forward (_pack; a prompt's n samples
-             run their shared context once), each one's first token sampled; its row joins _Rows
+             run their shared context once), each one's first token sampled; its row joins _Rows. Admission
+             and prefill repeat while requests fit, so a wave of them prefills in forwards of at most
+             PREFILL_TOKENS back to back, with one device read after them all
   decode     _decode, each iteration: one token for every running row at once (eager, or a CUDA graph of
              a padded bucket: graphs.py; or, in a call that speculates, k drafts verified in one forward:
              speculative.py), after a new block for each row whose next token starts one (Scheduler.grow)
@@ -325,8 +327,9 @@ class TorchEngine:
                 self.kv_version = self.version
             self._grow()
             new = self.sched.admit(self.version)
-            if new:
+            while new:  # packed forwards of at most PREFILL_TOKENS each, back to back: one device read for all of them
                 self._prefill(new)
+                new = self.sched.admit(self.version)
             if self.sched.running:
                 self.call_spec.step(self) if self.call_spec else self._decode()
         host = self._read()

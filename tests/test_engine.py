@@ -796,3 +796,26 @@ def test_cuda_graphs_capture_the_moe_generator(quantization, monkeypatch):
     assert [c.token_ids for c in outs[0]] == [c.token_ids for c in outs[1]]
     assert [c.logprobs for c in outs[0]] == [c.logprobs for c in outs[1]]
     assert all(torch.equal(a.routes, b.routes) for a, b in zip(*outs))
+
+
+def test_a_wave_larger_than_the_prefill_budget_prefills_back_to_back_in_one_iteration(monkeypatch):
+    """Requests that do not fit one PREFILL_TOKENS forward prefill in several, one after the other in the same
+    iteration (no device read between them, so the host packs the next while the device runs the last), before the
+    iteration's one decode step; each forward stays within the budget, and every completion is the one a single
+    forward gives (its tokens; its logprobs up to fp32 rounding: other packings, other matmul shapes)."""
+    from machinery import scheduler
+    model = tiny_model()
+    prompts = [[i + 1, i + 2, i + 3, i + 4, i + 5] for i in range(6)]  # 30 tokens, 6 distinct contexts
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
+    whole = TorchEngine(model, max_batch=8, kv_tokens=256).generate(prompts, sampling, seed=3)
+    monkeypatch.setattr(scheduler, "PREFILL_TOKENS", 10)  # two contexts a forward
+    engine = TorchEngine(model, max_batch=8, kv_tokens=256)  # (blocks to spare: the pool does not hold anyone back)
+    sizes, pack = [], TorchEngine._pack
+    monkeypatch.setattr(TorchEngine, "_pack", lambda self, new: sizes.append(
+        (self.stats["iterations"], sum(len(r.prompt) for r in new))) or pack(self, new))
+    out = engine.generate(prompts, sampling, seed=3)
+    assert sizes == [(1, 10)] * 3 and engine.stats["prefills"] == 3  # all in the first iteration
+    assert engine.stats["decode_steps"] == 3  # tokens 2-4 of every row at once
+    assert [c.token_ids for c in out] == [c.token_ids for c in whole]  # (logprobs: another packing's rounding)
+    for c, w in zip(out, whole):
+        assert c.logprobs == pytest.approx(w.logprobs, abs=1e-5)
