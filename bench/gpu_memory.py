@@ -40,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 
 import torch
 
@@ -212,11 +213,14 @@ def measure(args, arch, plan, log):
         sampling = SamplingParams(temperature=1.0, max_new_tokens=1, stop_token_ids=())
         with Phase("generator prefill", base):
             engine.generate(prompts, sampling, seed=0)
-        calls = [("prefill call", engine.graphs)]  # (a later call with longer rows gets a new pool and new graphs)
-        pool = engine.pool
-        pool_bytes = sum(t.numel() * t.element_size() for t in vars(pool).values() if isinstance(t, torch.Tensor))
-        pool_bytes += sum(t.numel() * t.element_size() for v in vars(pool).values() if isinstance(v, (list, tuple))
+        # (a later call with longer rows gets a new pool and new graphs, and frees these: nothing here may hold them,
+        # or the decode phase would count the prefill call's pool and graphs beside its own)
+        calls = [("prefill call", graph_info(engine.graphs))]
+        pool = vars(engine.pool)
+        pool_bytes = sum(t.numel() * t.element_size() for t in pool.values() if isinstance(t, torch.Tensor))
+        pool_bytes += sum(t.numel() * t.element_size() for v in pool.values() if isinstance(v, (list, tuple))
                           for t in v if isinstance(t, torch.Tensor))
+        del pool
         for item, _ in plan.generator:
             if item.startswith("paged KV pool"):
                 counted["generator: " + item] = pool_bytes
@@ -226,7 +230,7 @@ def measure(args, arch, plan, log):
         assert all(len(c.token_ids) == args.new_tokens for c in out)
         if engine.graphs is not None and engine.graphs.failed:
             log("[memory] warning: CUDA graphs fell back to eager decode")
-        calls.append(("decode call", engine.graphs))
+        calls.append(("decode call", graph_info(engine.graphs)))
         graphs = graph_memory(calls, log)
 
         base = torch.cuda.memory_allocated(dev)  # the generator's resident memory: the learner's numbers are net of it
@@ -261,27 +265,38 @@ def measure(args, arch, plan, log):
     return measured, counted, graphs
 
 
+def graph_info(g):
+    """What graph_memory reports of a call's DecodeGraphs (None: eager decode), taken right after the call and holding
+    only a weak reference to it: the set, its pool and its buffers are the engine's to free."""
+    if g is None:
+        return None
+    return dict(ref=weakref.ref(g), buffers=sum(t.numel() * t.element_size() for t in (g.tok, g.pos, g.keys, g.valid,
+                                                                                      g.logits)),
+                kept=g.mempool is not None, memory=dict(g.memory))
+
+
 def graph_memory(calls, log):
-    """Each call's DecodeGraphs.memory (bytes around each bucket's capture) as rows, logged as they are read, with
-    the static buffers every bucket shares (inputs, key slots, masks, logits) and whether the call kept the graphs of
-    the call before (a call with longer rows gets a new pool and new graphs); a bucket is listed once."""
+    """Each call's DecodeGraphs.memory (bytes around each bucket's capture; graph_info's) as rows, logged as they are
+    read, with the static buffers every bucket shares (inputs, key slots, masks, logits) and whether the call kept the
+    graphs of the call before (a call with longer rows gets a new pool and new graphs); a bucket is listed once."""
     rows, seen, listed, summary = [], [], set(), []
     for call, g in calls:
         if g is None:
             log(f"[memory] graphs, {call}: none (eager decode)")
             summary.append({"call": call, "buffers": None, "same_as_before": False, "buckets": 0})
             continue
-        buffers = sum(t.numel() * t.element_size() for t in (g.tok, g.pos, g.keys, g.valid, g.logits))
-        same = any(g is other for other in seen)
+        buffers, live = g["buffers"], g["ref"]()
+        same = live is not None and any(live is other["ref"]() for other in seen)
         seen.append(g)
-        pool = "kept" if g.mempool is not None else "none"
-        summary.append({"call": call, "buffers": buffers, "same_as_before": same, "buckets": len(g.memory)})
-        log(f"[memory] graphs, {call}: {len(g.memory)} bucket(s){' (the graphs of the call before)' if same else ''}, "
+        pool = "kept" if g["kept"] else "none"
+        summary.append({"call": call, "buffers": buffers, "same_as_before": same, "buckets": len(g["memory"])})
+        log(f"[memory] graphs, {call}: {len(g['memory'])} bucket(s){' (the graphs of the call before)' if same else ''}, "
             f"static buffers {buffers / GiB:.3f} GiB, graph pool {pool}")
-        for (Bg, Lg), m in g.memory.items():
-            if (id(g), Bg, Lg) in listed:
+        owner = id(live) if live is not None else id(g)  # one set's buckets are listed once
+        for (Bg, Lg), m in g["memory"].items():
+            if (owner, Bg, Lg) in listed:
                 continue
-            listed.add((id(g), Bg, Lg))
+            listed.add((owner, Bg, Lg))
             rows.append({"call": call, "rows": Bg, "keys": Lg, **m})
             figures = [f"{k} {v / GiB:.3f} GiB" if type(v) is int else f"{k} {v}" for k, v in m.items()]
             log(f"[memory]   {Bg:>4} rows x {Lg:>5} keys: " + ", ".join(figures))
