@@ -16,9 +16,10 @@
 #       GPU machine too.
 #   8   bench/moe.py --shape flash: GLM-4.7-Flash (MLA + 64-expert MoE) cut to 4 layers, random weights: learner
 #       tokens/s of train.rl_step (routes replayed, and fresh) against transformers' Glm4MoeLiteForCausalLM forward +
-#       backward + AdamW on the same weights, TorchEngine's prefill and decode tokens/s (CUDA graphs and eager)
-#       against transformers' generate, each phase's peak memory. Dry mode runs its CPU side (--quick: the tiny MoE
-#       beside transformers, and the flash path with its widths shrunk)
+#       backward + AdamW on the same weights, TorchEngine's prefill and decode tokens/s (CUDA graphs, bf16 and fp8)
+#       against transformers' generate, each phase's peak memory, and where the time goes (OUTDIR/8_profile/: op
+#       tables of a learner step per side, a prefill and a 16-token generate per engine). Dry mode runs its CPU side
+#       (--quick: the tiny MoE beside transformers, and the flash path with its widths shrunk)
 #   3   bench/gpu_memory.py: each phase's peak memory on a 4-layer cut of GLM-Z1-9B beside memory.memory_plan, and
 #       the CUDA-graph pool bucket by bucket (graphs.DecodeGraphs.memory: allocated before and after each capture,
 #       and the eager warm-up's peak), where the generator's decode exceeded its plan
@@ -30,7 +31,8 @@
 #   4   bench/scale.py, with and without the Triton kernels: 4a/4b dense (4a with transformers' prefill of the same
 #       prompts beside ours: --hf), 4c/4d DSA (sequences past top-k); 4e dense with an fp8 generator
 #       (rollout.quantization: fp8): its decode tokens/s beside 4a's; 4f dense at 16 layers, deep enough that the
-#       decoder's matmuls are 84% of a token's FLOPs: the learner's MFU and decode's share of the roofline
+#       decoder's matmuls are 84% of a token's FLOPs: the learner's MFU and decode's share of the roofline, with op
+#       tables of a learner step, prefills and 16-token generates (OUTDIR/4f_profile/)
 #   5   the tiny default run on one GPU (configs/tiny_cpu.yaml), its final held-out accuracy against the README's
 #       CPU seeds
 #   6   bench/fp8.py: FP8 generator weights at GLM-Z1-9B's shapes: quantization error, quantize time, and the fp8
@@ -364,7 +366,8 @@ if [[ $DRY == 1 ]]; then
 else
     # (GLM-4.7-Flash's 4-layer cut: 2.5B parameters; two fp32 learners one after the other, 55 GiB at most)
     run_part 8 "MoE learner and engine" 210 1 \
-        "$PY bench/moe.py --device cuda --shape flash --json $OUT/8_moe.json --md $OUT/8_MoE_learner_and_engine.md" x_md
+        "$PY bench/moe.py --device cuda --shape flash --engines 'graphs,hf,fp8 graphs' --profile $OUT/8_profile \
+         --json $OUT/8_moe.json --md $OUT/8_MoE_learner_and_engine.md" x_md  # (H200: ~140 s)
     run_part 3 "memory" 90 1 \
         "$PY bench/gpu_memory.py --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
     run_part 2 "parity" 120 1 \
@@ -381,7 +384,8 @@ run_part 4c "speed DSA kernels" 45 1 "$DSA_SCALE" x_scale
 run_part 4d "speed DSA no kernels" 100 1 "$DSA_SCALE --no-kernels" x_scale  # (45 s timed out on an H100)
 run_part 4e "speed dense fp8 generator" 45 1 "$SCALE --gen-batch 64,256 --new-tokens 128 --steps 1 --fp8" x_scale
 run_part 4f "speed dense 16 layers" 100 1 \
-    "$PY bench/scale.py --device cuda --layers 16 --gen-batch 64,256 --new-tokens 128 --steps 2" x_scale  # (H200: 60 s)
+    "$PY bench/scale.py --device cuda --layers 16 --gen-batch 64,256 --new-tokens 128 --steps 2 --profile $OUT/4f_profile" \
+    x_scale  # (H200: 60 s without the profiles)
 
 run_part 5 "tiny run" 150 1 \
     "rm -rf $OUT/5_tiny && $PY train.py train.learner_device=cuda:0 train.generator_device=cuda:0 run_dir=$OUT/5_tiny" x_tiny

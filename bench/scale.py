@@ -10,6 +10,7 @@ section of docs/benchmarks.md with --write.
     python bench/scale.py --device cuda --layers 4 --dsa               # DSA layers (topk 2048, FSSS)
     torchrun --nproc-per-node 4 bench/scale.py --device cuda --write   # FSDP2 learner over 4 GPUs
     python bench/scale.py --device cuda --layers 4 --no-kernels        # the same on PyTorch paths, to compare
+    python bench/scale.py --device cuda --layers 16 --profile prof     # ... and where the time goes: op tables
     python bench/scale.py --tiny --device cpu                          # a CPU smoke test, seconds
 
 The learner is train.py's: fp32 weights, gradient checkpointing, bf16 autocast on cuda, AdamW over all
@@ -46,6 +47,7 @@ import dsa  # noqa: E402
 from machinery import fp8  # noqa: E402
 from machinery import parallel  # noqa: E402
 import train  # noqa: E402
+from bench import profile_to  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig, hf_name  # noqa: E402
 from machinery.engine import SamplingParams, TorchEngine  # noqa: E402
@@ -101,6 +103,8 @@ def main():
     ap.add_argument("--no-kernels", action="store_true",
                     help="PyTorch paths instead of dsa_triton's kernels (DSA and the engine's sampler), to compare")
     ap.add_argument("--fp8", action="store_true", help="the generator's decoder linears in block-wise fp8 (rollout.quantization)")
+    ap.add_argument("--profile", metavar="DIR", help="also one untimed learner step, and per batch size a prefill and a "
+                    "16-token generate (CUDA graphs where there are), under torch.profiler: op tables in DIR")
     ap.add_argument("--hf", action="store_true", help="also transformers' prefill (a 1-token generate) of the same prompts "
                     "on the generator's weights (Glm4ForCausalLM; dense only), beside ours")
     ap.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md (section scale)")
@@ -167,6 +171,10 @@ def main():
                                  + 6 * arch.vocab_size * arch.hidden_size * args.response)
     step = max(parallel.all_gather(statistics.median(step_s[1:])))  # ranks step together: the slowest decides
     learner_mem = peak_gib(device)
+    if args.profile:  # (every rank steps: collectives; rank 0 writes)
+        os.makedirs(args.profile, exist_ok=True)
+        profile_to(os.path.join(args.profile, f"learner_rank{rank}.txt"),
+                   lambda: train.rl_step(cfg, learner, None, optimizer, None, batch, 0))
     mfu = f"{step_flops / step / (peak * 1e12 * world):.1%}" if peak else "n/a"
 
     # ---- generator: a second copy in the engine's dtype (engine.make_engine: bf16 on cuda, fp32 on CPU)
@@ -218,6 +226,11 @@ def main():
                 times[n] = time.perf_counter() - t0
                 assert all(len(c.token_ids) == n for c in out)  # no stop tokens: every row runs to the limit
             assert not graphs or (engine.graphs.graphs and not engine.graphs.failed), "CUDA graphs fell back to eager"
+            if args.profile and rank == 0 and graphs == (device.type == "cuda"):
+                for n in (1, 16):
+                    profile_to(os.path.join(args.profile, f"generate{n}_{B}{'_graphs' if graphs else ''}.txt"),
+                               lambda n=n: engine.generate(prompts, dataclasses.replace(sampling, max_new_tokens=n),
+                                                           seed=rank))
             decode = B * (args.new_tokens - 1) / (times[args.new_tokens] - times[1])
             roof = roof40 = None
             if hbm:
