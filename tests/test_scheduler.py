@@ -8,7 +8,7 @@ import collections
 import numpy as np
 import pytest
 
-from machinery.scheduler import ADMIT_FRACTION, PREFILL_TOKENS, Request, Scheduler
+from machinery.scheduler import ADMIT_FRACTION, PREFILL_TOKENS, Request, Scheduler, slots_of
 from model import BLOCK_SIZE as BS
 
 STOP = 99  # the calls' stop token
@@ -318,3 +318,12 @@ def test_extend_routes_keeps_each_positions_first_record():
     assert torch.equal(chained, torch.cat((old, new[3:], third[5:])))
     wide = torch.zeros(2, 2, 2, dtype=torch.int16)  # int16 routes (255 experts or more) alike
     assert extend_routes(wide, torch.ones(4, 2, 2, dtype=torch.int16)).tolist() == [[[0, 0]] * 2] * 2 + [[[1, 1]] * 2] * 2
+
+
+def test_slots_of_is_the_position_by_position_formula():
+    """slots_of(blocks, n): position p of a context lives in slot blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+    (the module docstring's rule), for every n up to the blocks' capacity, blocks in any order."""
+    blocks = [7, 2, 9]
+    for n in range(0, 3 * BS + 1):
+        assert slots_of(blocks, n).tolist() == [blocks[p // BS] * BS + p % BS for p in range(n)], n
+    assert slots_of(blocks, 5).dtype == np.int64
