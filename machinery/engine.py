@@ -266,7 +266,8 @@ class TorchEngine:
         if self.released:  # a bug, not a run's state: reading a released weight would read freed memory
             raise RuntimeError(f"the engine's weights were released and not all published back: {next(iter(self.released))}")
         self.sampling, self.landing = sampling, []
-        self.kv_version = self.version  # the weights the running rows' KV was computed with (reprefill)
+        self.kv_version = self.step_version = self.version  # the weights the running rows' KV was computed with
+        # (reprefill), and those of the iteration's forwards (an abort may release before the first one)
         self.longest, self.submitted = longest, 0
         blocks = -(-longest // BLOCK_SIZE)
         need = self.max_batch * blocks if self.kv_tokens is None else -(-self.kv_tokens // BLOCK_SIZE)
@@ -509,8 +510,8 @@ class TorchEngine:
         """MoE: the routes of the rows' positions so far (their KV's: every token fed, not the last sampled one), read
         out of the pool (model.PagedKVCache.routes: each layer's experts per slot, written beside the KV) before their
         blocks go back, copied to the host without waiting -> [[positions, n_moe, k] per row], or None (dense)."""
-        if not self.pool.routes:
-            return None
+        if not self.pool.routes or not rows:
+            return None if not self.pool.routes else ()
         n = [int(self.sched.pos[b]) for b in rows]
         idx = to_device(np.concatenate([slots_of(self.sched.running[b].blocks, m) for b, m in zip(rows, n)]), self.device)
         out = torch.stack([r.index_select(0, idx) for r in self.pool.routes], 1).to("cpu", non_blocking=True)

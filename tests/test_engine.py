@@ -819,3 +819,26 @@ def test_a_wave_larger_than_the_prefill_budget_prefills_back_to_back_in_one_iter
     assert [c.token_ids for c in out] == [c.token_ids for c in whole]  # (logprobs: another packing's rounding)
     for c, w in zip(out, whole):
         assert c.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("model", [tiny_model, tiny_moe])
+def test_an_abort_returns_every_request_running_or_waiting(model):
+    """abort() (the Generator's stop) makes a running call return at its next iteration: rows running and requests
+    still waiting all finish "abort" with what they have, the pool gets every block back, and resume() lets the
+    next call run. Also when no row is running at that moment (every request still waits), on an MoE model too,
+    whose release reads the rows' routes."""
+    engine = TorchEngine(model(), max_batch=2)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]
+    sampling = [SamplingParams(temperature=1.0, max_new_tokens=n, stop_token_ids=()) for n in (2, 6, 6, 6)]
+    engine.abort()  # before the first iteration: nothing runs yet
+    out = engine.generate(prompts, sampling, seed=0)
+    assert [(c.finish_reason, c.token_ids) for c in out] == [("abort", [])] * 4
+    engine.resume()
+    seen = []
+    for i, c in engine.stream(prompts, sampling, seed=0):  # request 0 finishes first: abort then (1 runs, 2-3 wait)
+        seen.append((i, c.finish_reason, len(c.token_ids)))
+        engine.abort()
+    assert seen[0] == (0, "length", 2) and sorted(seen[1:]) == [(1, "abort", 2), (2, "abort", 0), (3, "abort", 0)]
+    assert len(engine.pool.free) == engine.pool.num_blocks
+    engine.resume()
+    assert [c.finish_reason for c in engine.generate(prompts, sampling, seed=0)] == ["length"] * 4
