@@ -385,19 +385,21 @@ class TorchEngine:
             seen[u] += 1
         starts = [0, *itertools.accumulate(len(c) for c in uniq)]  # each distinct context's first token in the row
 
-        # Host lists, one tensor each (a tensor per request would cost more than the tiny model's prefill):
+        # Host arrays (numpy), one tensor each (a tensor per request would cost more than the tiny model's prefill):
         # the row's token ids, positions restarting at 0 per context, the slots of each context's first
         # request [T]; then per further copy, its requests' slots and the row tokens they take keys from
         dev = self.device
         ids = to_device(np.concatenate([np.asarray(c, dtype=np.int64) for c in uniq]), dev)
-        pos = torch.from_numpy(np.concatenate([np.arange(len(c)) for c in uniq]))
+        pos = torch.from_numpy(np.concatenate([np.arange(len(c), dtype=np.int64) for c in uniq]))
         by_copy = collections.defaultdict(list)
         for r, (u, k) in zip(new, copy):
             by_copy[k].append((r, u))
         self.pool.slots = to_device(np.concatenate([slots_of(r.blocks, len(uniq[u])) for r, u in by_copy[0]]), dev)
-        self.pool.copies = [(to_device(np.concatenate([slots_of(r.blocks, len(uniq[u])) for r, u in by_copy[k]]), dev),
-                             to_device(np.concatenate([starts[u] + np.arange(len(uniq[u])) for r, u in by_copy[k]]), dev))
-                            for k in range(1, len(by_copy))]
+        self.pool.copies = []
+        for k in range(1, len(by_copy)):
+            slots = np.concatenate([slots_of(r.blocks, len(uniq[u])) for r, u in by_copy[k]])
+            src = np.concatenate([starts[u] + np.arange(len(uniq[u]), dtype=np.int64) for r, u in by_copy[k]])
+            self.pool.copies.append((to_device(slots, dev), to_device(src, dev)))
         ends = to_device(starts[1:], dev, torch.long) - 1  # each distinct context's last token
         pick = to_device([u for u, _ in copy], dev, torch.long)  # each request's context
         self.stats["prefill_tokens"] += len(ids)
