@@ -272,7 +272,8 @@ def main():
     ]
     for B, graphs, times, decode, roof, roof40, mem in gen:
         share = f"{decode / roof:.0%} of {roof:.0f}; at 40 layers ~{decode / roof * roof40:.0f}" if roof else "n/a"
-        vs = f" ({hf_prefill[B] / times[1]:.2f}x transformers' {hf_prefill[B]:.3f} s)" if B in hf_prefill else ""
+        vs = (f" ({hf_prefill[B][0] / times[1]:.2f}x transformers' {hf_prefill[B][0]:.3f} s; logits apart by "
+              f"{hf_prefill[B][1]:.1e})" if B in hf_prefill else "")
         lines += [f"| generator prefill, {B} rows | {times[1]:.3f} s{vs} | {B * args.prompt / times[1]:.0f} | | |"] * (not graphs)
         lines += [f"| generator decode, {B} rows, {'CUDA graphs' if graphs else 'eager'} | "
                   f"{times[args.new_tokens] - times[1]:.2f} s | {decode:.0f} | {share} | {mem} |"]
@@ -284,7 +285,8 @@ def main():
 
 def hf_prefill_s(gen_model, arch, prompts, device):
     """transformers' Glm4ForCausalLM on the generator's weights (its dtype): a 1-token generate of the prompts in one
-    batch (they are of one length: no padding), after a warm-up -> seconds. The model is freed before returning."""
+    batch (they are of one length: no padding), after a warm-up -> (seconds, the two models' logits' relative
+    difference on one prompt). The model is freed before returning."""
     import transformers
     with torch.device("meta"):
         hf = transformers.Glm4ForCausalLM(transformers.Glm4Config(**arch.to_hf()))
@@ -293,10 +295,10 @@ def hf_prefill_s(gen_model, arch, prompts, device):
         hf.model.rotary_emb = type(hf.model.rotary_emb)(hf.config)
     hf = hf.to(device).eval()  # (assign: the generator's own tensors, no copy)
     ids = torch.tensor(prompts, device=device)
-    with torch.no_grad():  # the same function: the two models' logits on one prompt (bf16 on cuda: rounding apart)
-        a, b = gen_model(ids[:1]).float(), hf(input_ids=ids[:1]).logits.float()
-    err = ((a - b).norm() / b.norm()).item()
-    if not err < 0.05:
+    with torch.no_grad():  # the same function: the two models' logits on one prompt. bf16 on cuda leaves them a
+        a, b = gen_model(ids[:1]).float(), hf(input_ids=ids[:1]).logits.float()  # rounding apart (~1e-2); a wrong
+    err = ((a - b).norm() / b.norm()).item()  # weight or layout gives O(1)
+    if not err < 0.2:
         raise SystemExit(f"error: transformers' copy of the generator gives other logits (relative error {err:.2e})")
 
     def run():
@@ -307,7 +309,7 @@ def hf_prefill_s(gen_model, arch, prompts, device):
     run()
     t0 = time.perf_counter()
     run()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, err
 
 
 if __name__ == "__main__":
