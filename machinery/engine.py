@@ -512,8 +512,10 @@ class TorchEngine:
         """MoE: the routes of the rows' positions so far (their KV's: every token fed, not the last sampled one), read
         out of the pool (model.PagedKVCache.routes: each layer's experts per slot, written beside the KV) before their
         blocks go back, copied to the host without waiting -> [[positions, n_moe, k] per row], or None (dense)."""
-        if not self.pool.routes or not rows:
-            return None if not self.pool.routes else ()
+        if not self.pool.routes:
+            return None
+        if not rows:  # (an abort while no row runs)
+            return ()
         n = [int(self.sched.pos[b]) for b in rows]
         idx = to_device(np.concatenate([slots_of(self.sched.running[b].blocks, m) for b, m in zip(rows, n)]), self.device)
         out = torch.stack([r.index_select(0, idx) for r in self.pool.routes], 1).to("cpu", non_blocking=True)
