@@ -26,8 +26,12 @@ fp8_linear would take it (K and N multiples of 128, sm_90).
 
 Check: each candidate's bf16 output against fp8.reference_linear on the same device in fp32 (same activation codes):
 max |y - ref| / max |ref| below fp8.PATH_TOL, the bound fp8_linear's first-use check holds its paths to; a candidate
-that fails it, or does not compile or launch here, is reported and never chosen. A key's choice is the fastest passing
-candidate when it beats _tiles' rule (always among the candidates) by more than --margin, else the rule (no entry).
+that fails it, or does not compile or launch here, is reported and never chosen. A key's baseline is what fp8 runs for
+it without an entry: scaled_mm where fp8_linear takes it (timed here), else _tiles' rule (always among the
+candidates). Its choice is the fastest passing candidate when it beats the baseline by more than --margin, else the
+baseline (no entry; so fp8_linear takes the Triton kernel over scaled_mm only where an entry says it measured faster).
+--from decides again from the recorded times by today's rule (a sweep from before the "pre" and "swap" modes: its
+4-field shapes are "fused" ones).
 """
 import argparse
 import ast
@@ -158,7 +162,7 @@ def sweep_case(case, device, reps):
     for c in fp8.TILE_CANDIDATES:
         if c[0] > max(16, bucket):
             continue
-        key = ",".join(map(str, c))
+        key = key_of(c)
         try:
             y = run(q, s, c).float()
             err = ((y - ref).abs().max() / ref.abs().max()).item()
@@ -177,16 +181,40 @@ def sweep_case(case, device, reps):
     return res
 
 
-def choose(res, margin):
-    """The key's choice: (BM, BN, num_warps, num_stages) of the fastest passing candidate when it beats the fallback
-    by more than margin, else the fallback; with the fallback's and the best's times."""
-    timed = {k: v["us"] for k, v in res["candidates"].items() if v["us"] is not None}
-    fb = ",".join(map(str, res["fallback"]))
-    if not timed or fb not in timed:
-        return tuple(res["fallback"]), None, None
-    best = min(timed, key=timed.get)
-    pick = best if timed[best] < timed[fb] * (1 - margin) else fb
-    return tuple(map(int, pick.split(","))), timed[fb], timed[pick]
+def key_of(tiles) -> str:
+    """A launch shape's key in the results: "16,64,4,3,swap"."""
+    return ",".join(map(str, tiles))
+
+
+def tiles_of(key: str) -> tuple:
+    """key_of's inverse; a 4-field key (a sweep from before fp8.MODES) is a "fused" one."""
+    parts = key.split(",")
+    if parts[-1].isdigit():
+        parts.append("fused")
+    return (*map(int, parts[:-1]), parts[-1])
+
+
+def baseline(res):
+    """What fp8 runs for the key without a table entry: "scaled_mm" (fp8_linear's choice where it runs, timed here),
+    else _tiles' rule (a launch shape)."""
+    return "scaled_mm" if res.get("scaled_mm_us") is not None else tiles_of(key_of(res["fallback"]))
+
+
+def decide(res, margin):
+    """The key's choice into res (choice, baseline_us, choice_us): the fastest passing candidate (a launch shape, or
+    "scaled_mm" where it is the baseline) when it beats the baseline by more than margin, else the baseline. From the
+    recorded times, so a sweep's JSON is decided by today's rule (--from)."""
+    timed = {tiles_of(k): v["us"] for k, v in res["candidates"].items() if v["us"] is not None}
+    base = baseline(res)
+    if base == "scaled_mm":
+        timed[base] = res["scaled_mm_us"]
+    pick = base
+    if base in timed:
+        best = min(timed, key=timed.get)
+        pick = best if timed[best] < timed[base] * (1 - margin) else base
+    res["choice"] = pick if pick == "scaled_mm" else list(pick)
+    res["baseline_us"], res["choice_us"] = timed.get(base), timed.get(pick)
+    return pick
 
 
 def table_text(table, notes):
@@ -201,8 +229,9 @@ def table_text(table, notes):
 
 
 def write_table(path, arch, chosen, note):
-    """Rewrite the table between path's markers: arch's measured keys set to their choice (an entry where it is not
-    _tiles' rule, none where it is), its other keys and every other architecture's entries (and notes) kept."""
+    """Rewrite the table between path's markers: arch's measured keys {key: (choice, baseline)} set to their choice (an
+    entry where it is not the baseline, none where it is), its other keys and every other architecture's entries (and
+    notes) kept."""
     with open(path) as f:
         text = f.read()
     head, rest = text.split(BEGIN, 1)
@@ -210,9 +239,9 @@ def write_table(path, arch, chosen, note):
     table = ast.literal_eval("{" + block + "}")
     notes = dict(re.findall(r'^    "(\w+)": \{  # (.*)$', block, re.M))
     mine = dict(table.get(arch, {}))
-    for key, (tiles, fallback) in chosen.items():
-        if tiles != fallback:
-            mine[key] = tiles
+    for key, (tiles, base) in chosen.items():
+        if tiles != base:  # (never "scaled_mm": only a baseline is)
+            mine[key] = tuple(tiles)
         else:
             mine.pop(key, None)
     table[arch], notes[arch] = mine, note
@@ -225,14 +254,16 @@ def write_table(path, arch, chosen, note):
 def markdown(res):
     lines = [f"Device: {res['device']} ({res['arch']}), torch {res['torch']}, triton {res['triton']}. Time of one call "
              f"(us): CUDA graphs of back-to-back calls, each on its own weight copy, median of {res['reps']} replays; "
-             f"choice: the fastest candidate within fp8.PATH_TOL when it beats _tiles' rule by > {res['margin']:.0%}.",
-             "", "| kind | weight | N x K | rows | bucket | _tiles (us) | choice (us) | speed-up | bf16 F.linear (us) "
+             f"choice: the fastest candidate within fp8.PATH_TOL when it beats the baseline (what runs without an entry: "
+             f"scaled_mm where fp8_linear takes it, else _tiles' rule) by > {res['margin']:.0%}.",
+             "", "| kind | weight | N x K | rows | bucket | baseline (us) | choice (us) | speed-up | bf16 F.linear (us) "
              "| scaled_mm (us) | candidates ok |", "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|"]
+    shape = lambda t: t if t == "scaled_mm" else tuple(t)  # noqa: E731
     for r in res["keys"]:
         ok = sum(v["us"] is not None for v in r["candidates"].values())
-        fb, best = r["fallback_us"], r["choice_us"]
+        fb, best = r["baseline_us"], r["choice_us"]
         lines.append(f"| {r['kind']} | {r['name']} | {r['N']} x {r['K']} | {r['rows']} | {r['bucket']} | "
-                     f"{tuple(r['fallback'])} {fb or float('nan'):.1f} | {tuple(r['choice'])} {best or float('nan'):.1f}"
+                     f"{shape(baseline(r))} {fb or float('nan'):.1f} | {shape(r['choice'])} {best or float('nan'):.1f}"
                      f" | {fb / best if fb and best else float('nan'):.2f}x | {r.get('bf16_us', float('nan')):.1f} | "
                      f"{r.get('scaled_mm_us', float('nan')):.1f} | {ok} of {len(r['candidates'])} |")
     bad = [f"{r['kind']} {r['name']} rows {r['rows']}: ({k}) " + (v.get("error") or f"error {v['err']:.1e}")
@@ -247,7 +278,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="9b,flash", help="comma-separated: 9b (GLM-Z1-9B's linears), flash")
     ap.add_argument("--rows", default="64,256,2048", help="comma-separated row counts (tokens)")
     ap.add_argument("--reps", type=int, default=7, help="graph replays per candidate (the median is kept)")
-    ap.add_argument("--margin", type=float, default=0.03, help="how much faster than _tiles' rule a choice must be")
+    ap.add_argument("--margin", type=float, default=0.03, help="how much faster than the baseline a choice must be")
     ap.add_argument("--write", action="store_true", help="write the choices into machinery/fp8.py's TUNED_TILES")
     ap.add_argument("--from", dest="source", help="a sweep's --json output: its choices, no sweep (no CUDA needed)")
     ap.add_argument("--json", help="write the results here")
@@ -256,6 +287,8 @@ def main(argv=None):
     if args.source:
         with open(args.source) as f:
             res = json.load(f)
+        for r in res["keys"]:
+            decide(r, res["margin"])
         print(markdown(res), flush=True)
         return write(res, args.write)
     if not torch.cuda.is_available():
@@ -272,11 +305,10 @@ def main(argv=None):
         f"{len(fp8.TILE_CANDIDATES)} candidates; fp8_linear's paths: {', '.join(fp8._working_paths(device))}")
     for case in cases(shapes, rows):
         r = sweep_case(case, device, args.reps)
-        tiles, r["fallback_us"], r["choice_us"] = choose(r, args.margin)
-        r["choice"] = list(tiles)
+        tiles = decide(r, args.margin)
         res["keys"].append(r)
         log(f"[fp8_tiles] {r['kind']:<7} {r['name']:<28} [{r['N']}, {r['K']}] rows {r['rows']:>5} (bucket "
-            f"{r['bucket']}): _tiles {tuple(r['fallback'])} {r['fallback_us'] or float('nan'):.1f} us, choice "
+            f"{r['bucket']}): baseline {baseline(r)} {r['baseline_us'] or float('nan'):.1f} us, choice "
             f"{tiles} {r['choice_us'] or float('nan'):.1f} us; bf16 {r.get('bf16_us', float('nan')):.1f} us")
     md = markdown(res)
     print(md, flush=True)
@@ -287,8 +319,7 @@ def main(argv=None):
 def write(res, really):
     """--write: a sweep's choices (res, as main builds it or its JSON) into fp8.py's table for its architecture."""
     if really:
-        chosen = {(r["kind"], r["bucket"], r["N"], r["K"]): (tuple(r["choice"]), tuple(r["fallback"]))
-                  for r in res["keys"]}
+        chosen = {(r["kind"], r["bucket"], r["N"], r["K"]): (decide(r, res["margin"]), baseline(r)) for r in res["keys"]}
         note = f"{res['device']}, torch {res['torch']}, triton {res['triton']}: bench/fp8_tiles.py"
         table = write_table(FP8_PY, res["arch"], chosen, note)
         print(f"[fp8_tiles] wrote {len(table.get(res['arch'], {}))} {res['arch']} entries into {FP8_PY}", flush=True)

@@ -7,8 +7,8 @@
 #   bash bench/gpu.sh --parts 4a,5 OUTDIR    # only these parts (e.g. one cut short by the budget)
 #   BUDGET=540 T5=200 PYTHON=python3 bash bench/gpu.sh OUTDIR   # overall seconds, one part's timeout, the python
 #
-# Parts, in the order they run (their timeouts: T1 ... T10, T4a ... T4f; all of them within BUDGET seconds from the
-# start: what has not run on a GPU yet comes first, so a part the budget cuts is one measured before):
+# Parts, in the order they run (their timeouts: T1 ... T9, T4a ... T4f, T10a ... T10c; all of them within BUDGET
+# seconds from the start: what has not run on a GPU yet comes first, so a part the budget cuts is one measured before):
 #   1   the GPU-only tests: every test that skips without CUDA (skipif(not torch.cuda.is_available())) or takes a
 #       CUDA branch when there is one, found in tests/ by name (the MoE model's and engine's CUDA tests too, by the
 #       same rule), plus the sm_90 compile of the Triton kernels. They are the only tests that run dsa_triton's
@@ -42,10 +42,12 @@
 #       verify's too: graphs.DecodeGraphs.verify), on GLM-4.7-Flash cut to 4 layers, 256 and 64 rows, random weights
 #       at controlled acceptance (an oracle drafter: the plain run's token with probability 0.7); the issue's target
 #       is >= 1.8x. Dry mode runs its CPU side (--quick: flash's widths shrunk). Rerun with --parts 9
-#   10  bench/fp8_tiles.py: the fp8 Triton GEMM's tile shapes (machinery/fp8.py's TILE_CANDIDATES) timed in CUDA
-#       graphs at GLM-Z1-9B's and GLM-4.7-Flash's shapes (dense and grouped experts; 64, 256 and 2048 rows), each
-#       checked against the reference: the fastest per key, for fp8.TUNED_TILES (`python bench/fp8_tiles.py --from
-#       OUTDIR/10_fp8_tiles.json --write` writes them in, on any machine). Last: rerun with --parts 10
+#   10  bench/fp8_tiles.py: the fp8 Triton GEMM's launch shapes (machinery/fp8.py's TILE_CANDIDATES: tiles and the
+#       "fused", "pre" and "swap" modes) timed in CUDA graphs beside scaled_mm, each checked against the reference: the
+#       fastest per key, for fp8.TUNED_TILES (`python bench/fp8_tiles.py --from OUTDIR/10a_fp8_tiles.json --write`
+#       writes them in, on any machine). 10a: GLM-4.7-Flash's decode steps (64 and 256 rows: issue 48's fp8 decode);
+#       10b: GLM-Z1-9B's shapes; 10c: Flash's 2048-row prefill. Last: rerun with --parts 10. To time fp8 decode (part 8)
+#       with 10a's table: --parts 10a, then fp8_tiles.py --from ... --write in the same tree, then --parts 8
 # Files: OUTDIR/<part>_*.log (+ .json / .md / .xml), OUTDIR/status.tsv, and OUTDIR/summary.md (rewritten after
 # every part; merge it by hand into docs/benchmarks.md). What needs more than one GPU is printed, not run.
 #
@@ -402,8 +404,13 @@ else
 fi
 
 # (dry mode skips it: the sweep times a GPU; tests/test_fp8.py runs every candidate in the interpreter)
-run_part 10 "fp8 tile table" 300 1 \
-    "$PY bench/fp8_tiles.py --json $OUT/10_fp8_tiles.json --md $OUT/10_fp8_tile_table.md" x_md
+TILES="$PY bench/fp8_tiles.py"
+run_part 10a "fp8 tiles Flash decode" 240 1 \
+    "$TILES --shapes flash --rows 64,256 --json $OUT/10a_fp8_tiles.json --md $OUT/10a_fp8_tiles_Flash_decode.md" x_md
+run_part 10b "fp8 tiles 9B" 240 1 \
+    "$TILES --shapes 9b --rows 64,256,2048 --json $OUT/10b_fp8_tiles.json --md $OUT/10b_fp8_tiles_9B.md" x_md
+run_part 10c "fp8 tiles Flash prefill" 180 1 \
+    "$TILES --shapes flash --rows 2048 --json $OUT/10c_fp8_tiles.json --md $OUT/10c_fp8_tiles_Flash_prefill.md" x_md
 
 echo
 multi_gpu

@@ -44,10 +44,13 @@ Three implementations, one result:
     exactly in real arithmetic; in fp32 only the rounding differs. It is the other paths' reference.
   - `scaled_mm_linear` (CUDA): torch.nn.functional.scaled_mm with ScalingType.BlockWise1x128 (activations)
     and BlockWise128x128 (weights): cuBLASLt >= 12.9 on sm_90 (Hopper) only. Activations are quantized
-    by `quantize_activations` (PyTorch ops) first. Used where K and N are multiples of 128.
+    first, by the Triton kernels' quantization (`triton_quantize`; PyTorch's `quantize_activations` where
+    Triton does not run). Used where K and N are multiples of 128, unless the tile table (TUNED_TILES) names
+    the shape: there a GPU sweep measured the Triton kernel faster.
   - `triton_linear` (CUDA otherwise; on CPU tensors under TRITON_INTERPRET=1, which is how the tests run
-    it): one Triton kernel that quantizes the activations on chip (the same arithmetic as
-    quantize_activations, correctly rounded divisions) and runs the block-scaled GEMM above.
+    it): Triton kernels that quantize the activations (the same arithmetic as quantize_activations, correctly
+    rounded divisions; on chip in the GEMM, or in a launch before it) and run the block-scaled GEMM above, in
+    one of three variants per shape ("Triton" below).
 `fp8_linear` dispatches: on a CUDA device the first call checks scaled_mm and the Triton kernel on a small
 problem against the CPU reference (once per device; it syncs, so it must not be the first call inside a CUDA
 graph capture: the engine's eager prefills and warm-ups come first) and uses what runs and agrees; on a CPU,
@@ -211,10 +214,11 @@ def fp8_linear(x, weight, weight_scale_inv, bias=None):
                         "quantize_model_ converts its fp8 weights: quantize last)")
     N, K = weight.shape
     paths = _working_paths(x.device)
-    if "scaled_mm" in paths and K % BLOCK == 0 and N % BLOCK == 0:
+    tuned = tuned_tiles("dense", x.numel() // max(K, 1), N, K, x.device)  # measured faster than scaled_mm, or None
+    if "scaled_mm" in paths and K % BLOCK == 0 and N % BLOCK == 0 and (tuned is None or "triton" not in paths):
         return scaled_mm_linear(x, weight, weight_scale_inv, bias)
     if "triton" in paths:
-        return triton_linear(x, weight, weight_scale_inv, bias)
+        return triton_linear(x, weight, weight_scale_inv, bias, tiles=tuned)
     return reference_linear(x, weight, weight_scale_inv, bias)
 
 
@@ -232,13 +236,20 @@ def scaled_mm_linear(x, weight, weight_scale_inv, bias=None):
     """torch.nn.functional.scaled_mm with 1 x 128 activation and 128 x 128 weight scales (cuBLASLt, sm_90):
     K and N multiples of 16 (fp8_linear sends only multiples of 128). Layouts as PyTorch's block path
     checks them: activation scales outer-dim-major [M, Kb] (strides 1, M: M is padded to a multiple of 4
-    for cuBLAS's 16-byte alignment), weight scales [round_up(Kb, 4), Nb] with strides (1, round_up(Kb, 4))."""
+    for cuBLAS's 16-byte alignment), weight scales [round_up(Kb, 4), Nb] with strides (1, round_up(Kb, 4)). The
+    activations are quantized by triton_quantize where Triton runs (else quantize_activations: a padded copy, an fp32
+    copy and some ten launches: in the fifth GPU run's profile of Flash's fp8 generate, its amax, amin, div_ and
+    clamp_ alone took 86 us a call against the matmul's 44)."""
     *lead, K = x.shape
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    xq, xs = quantize_activations(F.pad(x2, (0, 0, 0, -M % 4)))  # [M4, K] fp8, [M4, Kb]
-    xs = xs.t().contiguous().t()  # [M4, Kb], strides (1, M4)
+    M4 = M + -M % 4
+    if dsa_triton.available(x):  # one launch: the same codes and scales, written in the layout cuBLAS reads
+        xq, xs = triton_quantize(x2, M4, torch.empty(_cdiv(K, BLOCK), M4, device=x.device).t())  # [M4, K], [M4, Kb]
+    else:
+        xq, xs = quantize_activations(F.pad(x2, (0, 0, 0, M4 - M)))  # [M4, K] fp8, [M4, Kb]
+        xs = xs.t().contiguous().t()  # [M4, Kb], strides (1, M4)
     ws = F.pad(weight_scale_inv, (0, -weight_scale_inv.shape[1] % 4)).t()  # [Kb4, Nb], strides (1, Kb4)
     fused_bias = bias is not None and x.dtype != torch.float32  # cuBLAS adds a bias only to 16-bit outputs
     y = F.scaled_mm(xq, weight.t(), xs, F.ScalingType.BlockWise1x128, ws, F.ScalingType.BlockWise128x128,
@@ -254,19 +265,57 @@ def _has_scaled_mm() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------- Triton
-# The kernel: one program per (BM rows of x, BN output columns). Each step takes one 128-wide K block: it loads
-# x's tile [BM, 128] in its own dtype, quantizes each row's group on chip (scale = max(amax, AMAX_MIN) / QMAX and
-# q = e4m3(clamp(x / scale)), divisions correctly rounded, as quantize_activations in PyTorch), loads the weight's
-# fp8 tile [BN, 128] and each column's block scale, and adds tl.dot(q, w^T) (fp32) * x scale * w scale into an
-# fp32 accumulator. The weight's 128 x 128 blocks need no alignment with BN: each column reads its own block's
-# scale. Ragged M, N and K are masked loads (zeros). The bias is added in fp32, then one rounding to Y's dtype.
+# The GEMM: one program per (BM rows of x, BN output columns). Each step takes one 128-wide K block: the activations'
+# codes of its [BM, 128] tile and each row's group scale, the weight's fp8 tile [BN, 128] and each column's block
+# scale, and adds tl.dot(codes, w^T) (fp32) * x scale * w scale into an fp32 accumulator. The weight's 128 x 128 blocks
+# need no alignment with BN: each column reads its own block's scale. Ragged M, N and K are masked loads (zeros). The
+# bias is added in fp32, then one rounding to Y's dtype. Three variants of one computation (MODES; the tile table picks
+# one per shape with its tiles):
+#   - "fused": the program quantizes x's [BM, 128] tile on chip from x in its own dtype. One launch, but each of the
+#     N / BN column tiles quantizes the same rows again (a divide per element each time).
+#   - "pre": `_quant_kernel` quantizes x once ([M, K] codes, [M, Kb] scales), then the GEMM reads codes: half x's
+#     bytes, no divides in its loop. Two launches (DeepSeek-V3's and SGLang's block-fp8 layout).
+#   - "swap": "pre" with the product transposed, acc^T [BN, BM] += tl.dot(w, codes^T): at decode, BM is 16 rows, too
+#     few for Hopper's wgmma (64-row operand A); with the weight as A, its BN (64 or 128) columns fill it.
+# Quantizing (`_quantize_rows`, both paths): scale = max(amax, AMAX_MIN) / QMAX per row of the tile, q =
+# e4m3(clamp(x / scale)), divisions correctly rounded, as quantize_activations in PyTorch: the variants' codes are
+# the same bits, and so are their products up to the order of tl.dot's sums.
 
 triton = tl = None  # imported on first use (dsa_triton's rule: importing this file needs no triton)
+_quantize_rows = None  # _quantize_rows_fn jitted, by _compiled
+MODES = ("fused", "pre", "swap")
 
 
-def _gemm_kernel(X, W, WS, BIAS, Y, TILES, M, N, K, sxm, sxk, swe, swn, swk, swse, swsn, swsk, sym, syn,
+def _quantize_rows_fn(x, AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """x fp32 [R, BK] -> (codes float8e4nv [R, BK], scales fp32 [R]): each row one activation group."""
+    xs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_MIN), QMAX)  # [R]
+    v = tl.clamp(tl.math.div_rn(x, xs[:, None]), -QMAX, QMAX)
+    if ROUND_FIRST:  # the interpreter: its fp32 -> e4m3 cast misrounds (124.3 -> 64), so round on the e4m3 grid
+        e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # exponent (subnormals: -6)
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): e4m3's spacing at v
+        magic = step * 12582912.0  # 1.5 * 2^23 * step: v + magic rounds v to a multiple of step, ties to even
+        v = (v + magic) - magic  # now exact in e4m3: the cast below only converts
+    return v.to(tl.float8e4nv, fp_downcast_rounding="rtne"), xs
+
+
+def _quant_kernel(X, XQ, XS, M, MQ, K, sxm, sxk, sqm, sqk, ssm, ssk, BM: tl.constexpr, BK: tl.constexpr,
+                  AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """One program per (BM rows, one K group): x [M, K] -> codes XQ [MQ, K] and scales XS [MQ, Kb]; rows M..MQ
+    (scaled_mm's padding) quantize zeros. "pre"'s first launch, and scaled_mm_linear's quantization."""
+    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+    offs_k = tl.program_id(1) * BK + tl.arange(0, BK)
+    kmask = (offs_k < K)[None, :]
+    x = tl.load(X + offs_m[:, None] * sxm + offs_k[None, :] * sxk, mask=(offs_m < M)[:, None] & kmask,
+                other=0.0).to(tl.float32)
+    xq, xs = _quantize_rows(x, AMAX_MIN, QMAX, ROUND_FIRST)
+    tl.store(XQ + offs_m[:, None] * sqm + offs_k[None, :] * sqk, xq, mask=(offs_m < MQ)[:, None] & kmask)
+    tl.store(XS + offs_m * ssm + tl.program_id(1) * ssk, xs, mask=offs_m < MQ)
+
+
+def _gemm_kernel(X, XS, W, WS, BIAS, Y, TILES, M, N, K, sxm, sxk, ssm, ssk, swe, swn, swk, swse, swsn, swsk, sym, syn,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr, GROUPED: tl.constexpr):
+                 AMAX_MIN: tl.constexpr, QMAX: tl.constexpr, ROUND_FIRST: tl.constexpr, GROUPED: tl.constexpr,
+                 PRE: tl.constexpr, SWAP: tl.constexpr):
     if GROUPED:  # this program's row tile, from the table [3, T]: its expert, first row, and the expert's row end
         t = tl.program_id(0)
         e = tl.load(TILES + t).to(tl.int64)
@@ -283,24 +332,29 @@ def _gemm_kernel(X, W, WS, BIAS, Y, TILES, M, N, K, sxm, sxk, swe, swn, swk, sws
     nmask = offs_n < N
     if GROUPED:
         nmask = nmask & (offs_n * 0 + m0 < m1)  # an empty tile reads no weights
-    acc = tl.zeros([BM, BN], tl.float32)
+    if SWAP:
+        acc = tl.zeros([BN, BM], tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         kmask = offs_k < K
         x = tl.load(X + offs_m[:, None] * sxm + offs_k[None, :] * sxk, mask=mmask[:, None] & kmask[None, :],
-                    other=0.0).to(tl.float32)  # [BM, BK]
-        xs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), AMAX_MIN), QMAX)  # [BM]: each row's group scale
-        v = tl.clamp(tl.math.div_rn(x, xs[:, None]), -QMAX, QMAX)
-        if ROUND_FIRST:  # the interpreter: its fp32 -> e4m3 cast misrounds (124.3 -> 64), so round on the e4m3 grid
-            e = tl.maximum(((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # exponent (subnormals: -6)
-            step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): e4m3's spacing at v
-            magic = step * 12582912.0  # 1.5 * 2^23 * step: v + magic rounds v to a multiple of step, ties to even
-            v = (v + magic) - magic  # now exact in e4m3: the cast below only converts
-        xq = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+                    other=0.0)  # [BM, BK]: codes (PRE), else x in its dtype
+        if PRE:
+            xq = x
+            xs = tl.load(XS + offs_m * ssm + (k0 // BK) * ssk, mask=mmask, other=0.0)  # [BM]
+        else:
+            xq, xs = _quantize_rows(x.to(tl.float32), AMAX_MIN, QMAX, ROUND_FIRST)
         w = tl.load(W + offs_n[:, None] * swn + offs_k[None, :] * swk, mask=nmask[:, None] & kmask[None, :],
                     other=0.0)  # [BN, BK] fp8
         ws = tl.load(WS + (offs_n // BK) * swsn + (k0 // BK) * swsk, mask=nmask, other=0.0)  # [BN]
-        acc += tl.dot(xq, tl.trans(w)) * xs[:, None] * ws[None, :]
+        if SWAP:
+            acc += tl.dot(w, tl.trans(xq)) * ws[:, None] * xs[None, :]  # [BN, BM]
+        else:
+            acc += tl.dot(xq, tl.trans(w)) * xs[:, None] * ws[None, :]  # [BM, BN]
+    if SWAP:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + offs_m[:, None] * sym + offs_n[None, :] * syn, acc.to(Y.dtype.element_ty),
@@ -313,70 +367,68 @@ def _compiled(interpret: bool):
     global triton, tl
     import triton as triton_
     import triton.language as tl_
-    triton, tl = triton_, tl_  # the kernel's global `tl`, resolved when it compiles
-    return triton.jit(_gemm_kernel)
+    global _quantize_rows  # the kernels' helper, a jitted function of the same mode (one mode per process)
+    triton, tl = triton_, tl_  # the kernels' global `tl`, resolved when they compile
+    _quantize_rows = triton.jit(_quantize_rows_fn)
+    return triton.jit(_gemm_kernel), triton.jit(_quant_kernel)
 
 
-def _tiles(M: int) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) for M rows, the rule a key TUNED_TILES does not name falls back to (not tuned):
-    tl.dot needs BM >= 16; a decode step (M small) takes narrower column tiles, so that more programs share the
-    weight's bytes."""
+def _tiles(M: int) -> tuple[int, int, int, int, str]:
+    """(BM, BN, num_warps, num_stages, mode) for M rows, the rule a key TUNED_TILES does not name falls back to (not
+    tuned): tl.dot needs BM >= 16; a decode step (M small) takes narrower column tiles, so that more programs share the
+    weight's bytes; "fused" quantization (the first kernel's, which the table's oldest entries were measured against)."""
     BM = min(128, max(16, 1 << (M - 1).bit_length()))
-    return BM, 64 if M <= 64 else 128, 4 if BM <= 64 else 8, 3
+    return BM, 64 if M <= 64 else 128, 4 if BM <= 64 else 8, 3, "fused"
 
 
-# The launch shapes (BM, BN, num_warps, num_stages) that bench/fp8_tiles.py times on a GPU, and tests/test_fp8.py runs
-# in the interpreter against the float64 reference: one list for both, so that the sweep can only pick a tested shape.
-# BK is always BLOCK (a step is one quantization group). _tiles' four choices are among them (the sweep's baseline).
-# BM >= 16 (tl.dot); BN from 32 (decode: more programs over a narrow weight, e.g. GLM-Z1-9B's k_proj, N = 256) to
-# 256 (prefill: fewer re-reads of x); 8 warps for the wide tiles, whose fp32 accumulator [BM, BN] lives in registers.
+# The launch shapes (BM, BN, num_warps, num_stages, mode) that bench/fp8_tiles.py times on a GPU, and tests/test_fp8.py
+# runs in the interpreter against the float64 reference: one list for both, so that the sweep can only pick a tested
+# shape. BK is always BLOCK (a step is one quantization group). _tiles' four choices are among them (the sweep's
+# baseline). BM >= 16 (tl.dot); BN from 32 (decode: more programs over a narrow weight, e.g. GLM-Z1-9B's k_proj,
+# N = 256) to 256 (prefill: fewer re-reads of x); 8 warps for the wide tiles, whose fp32 accumulator [BM, BN] lives in
+# registers. "swap" takes BN of 64 and up (wgmma's operand A: 64 rows a warpgroup).
 TILE_CANDIDATES = (
-    (16, 32, 4, 3), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3),
-    (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4),
-    (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 8, 3),
-    (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3),
+    *((*t, "fused") for t in ((16, 32, 4, 3), (16, 64, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3),
+                              (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4),
+                              (64, 64, 4, 3), (64, 128, 4, 3), (64, 128, 8, 3), (64, 256, 8, 3),
+                              (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3))),
+    *((*t, "pre") for t in ((16, 32, 4, 3), (16, 64, 4, 3), (16, 128, 4, 3), (32, 128, 4, 3),
+                            (64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3))),
+    *((*t, "swap") for t in ((16, 64, 4, 3), (16, 128, 4, 3), (16, 128, 4, 4), (32, 128, 4, 3),
+                             (64, 128, 4, 3), (16, 256, 8, 3))),
 )
 
 # The tile table: the fastest of TILE_CANDIDATES per key, as bench/fp8_tiles.py measured them on a GPU (static data:
 # no autotuning at run time, so a run's bits never depend on a timing race). {architecture: {(kind, rows, N, K): (BM,
-# BN, num_warps, num_stages)}}: architecture "sm_90" for a GPU of compute capability 9.0 (its tiles are measured there
-# and may not fit another's registers), "cpu" for the interpreter (tests only); kind "dense" (triton_linear: N, K of
-# the weight) or "grouped" (triton_grouped_linear: N, K of one expert's matrix); rows the row bucket, the power of two
-# at or above the rows (grouped: above an expert's average share of them, ceil(M / E)). A key not named here takes
-# _tiles' rule. `python bench/fp8_tiles.py --write` rewrites the lines between the two markers (by hand: keep that form).
-TUNED_TILES: dict[str, dict[tuple[str, int, int, int], tuple[int, int, int, int]]] = {
+# BN, num_warps, num_stages, mode)}}: architecture "sm_90" for a GPU of compute capability 9.0 (its tiles are measured
+# there and may not fit another's registers), "cpu" for the interpreter (tests only); kind "dense" (triton_linear: N, K
+# of the weight) or "grouped" (triton_grouped_linear: N, K of one expert's matrix); rows the row bucket, the power of
+# two at or above the rows (grouped: above an expert's average share of them, ceil(M / E)). A key not named here takes
+# _tiles' rule. `python bench/fp8_tiles.py --write` rewrites the lines between the two markers (by hand: keep that
+# form). The sm_90 entries below were measured before "pre" and "swap" existed: among "fused" shapes only.
+TUNED_TILES: dict[str, dict[tuple[str, int, int, int], tuple[int, int, int, int, str]]] = {
     # tiles: begin
     "sm_90": {  # NVIDIA H200, torch 2.11.0+cu130, triton 3.6.0: bench/fp8_tiles.py
-        ("dense", 64, 576, 2048): (16, 32, 4, 3),
-        ("dense", 64, 768, 2048): (16, 32, 4, 3),
-        ("dense", 64, 1536, 2048): (16, 32, 4, 3),
-        ("dense", 64, 2048, 1536): (16, 64, 4, 3),
-        ("dense", 64, 2048, 5120): (16, 32, 4, 3),
-        ("dense", 64, 2048, 10240): (16, 32, 4, 3),
-        ("dense", 64, 5120, 768): (16, 64, 4, 3),
-        ("dense", 64, 10240, 2048): (16, 128, 4, 3),
-        ("dense", 256, 576, 2048): (16, 64, 4, 3),
-        ("dense", 256, 768, 2048): (16, 64, 4, 3),
-        ("dense", 256, 1536, 2048): (16, 64, 4, 3),
-        ("dense", 256, 2048, 1536): (16, 128, 4, 3),
-        ("dense", 256, 2048, 5120): (16, 128, 4, 3),
-        ("dense", 256, 2048, 10240): (16, 128, 4, 3),
-        ("dense", 256, 5120, 768): (64, 256, 8, 3),
-        ("dense", 256, 10240, 2048): (64, 256, 8, 3),
-        ("dense", 2048, 576, 2048): (64, 256, 8, 3),
-        ("dense", 2048, 768, 2048): (64, 256, 8, 3),
-        ("dense", 2048, 1536, 2048): (64, 256, 8, 3),
-        ("dense", 2048, 2048, 1536): (64, 256, 8, 3),
-        ("dense", 2048, 2048, 5120): (64, 256, 8, 3),
-        ("dense", 2048, 2048, 10240): (64, 256, 8, 3),
-        ("dense", 2048, 5120, 768): (64, 256, 8, 3),
-        ("dense", 2048, 10240, 2048): (64, 256, 8, 3),
-        ("grouped", 4, 2048, 1536): (16, 128, 4, 3),
-        ("grouped", 4, 3072, 2048): (16, 128, 4, 3),
-        ("grouped", 16, 2048, 1536): (16, 128, 4, 3),
-        ("grouped", 16, 3072, 2048): (16, 128, 4, 3),
-        ("grouped", 128, 2048, 1536): (16, 128, 4, 3),
-        ("grouped", 128, 3072, 2048): (16, 128, 4, 3),
+        ("dense", 64, 576, 2048): (16, 32, 4, 3, "fused"),
+        ("dense", 64, 768, 2048): (16, 32, 4, 3, "fused"),
+        ("dense", 64, 1536, 2048): (16, 32, 4, 3, "fused"),
+        ("dense", 64, 2048, 1536): (16, 64, 4, 3, "fused"),
+        ("dense", 64, 5120, 768): (16, 64, 4, 3, "fused"),
+        ("dense", 64, 10240, 2048): (16, 128, 4, 3, "fused"),
+        ("dense", 256, 576, 2048): (16, 64, 4, 3, "fused"),
+        ("dense", 256, 768, 2048): (16, 64, 4, 3, "fused"),
+        ("dense", 256, 1536, 2048): (16, 64, 4, 3, "fused"),
+        ("dense", 256, 2048, 1536): (16, 128, 4, 3, "fused"),
+        ("dense", 256, 5120, 768): (64, 256, 8, 3, "fused"),
+        ("dense", 2048, 576, 2048): (64, 256, 8, 3, "fused"),
+        ("dense", 2048, 768, 2048): (64, 256, 8, 3, "fused"),
+        ("dense", 2048, 2048, 1536): (64, 256, 8, 3, "fused"),
+        ("grouped", 4, 2048, 1536): (16, 128, 4, 3, "fused"),
+        ("grouped", 4, 3072, 2048): (16, 128, 4, 3, "fused"),
+        ("grouped", 16, 2048, 1536): (16, 128, 4, 3, "fused"),
+        ("grouped", 16, 3072, 2048): (16, 128, 4, 3, "fused"),
+        ("grouped", 128, 2048, 1536): (16, 128, 4, 3, "fused"),
+        ("grouped", 128, 3072, 2048): (16, 128, 4, 3, "fused"),
     },
     # tiles: end
 }
@@ -397,36 +449,71 @@ def _arch(device: torch.device) -> str:
     return f"sm_{major}{minor}"
 
 
-def tiles_for(kind: str, rows: int, N: int, K: int, device) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) of a launch: TUNED_TILES' entry for (kind, the bucket of rows, N, K) on device's
-    architecture, else _tiles(rows). kind "dense" (rows: x's) or "grouped" (rows: an expert's average share)."""
-    tuned = TUNED_TILES.get(_arch(torch.device(device)), {}).get((kind, _row_bucket(rows), N, K))
-    return tuned if tuned is not None else _tiles(rows)
+def tuned_tiles(kind: str, rows: int, N: int, K: int, device) -> tuple[int, int, int, int, str] | None:
+    """TUNED_TILES' entry for (kind, the bucket of rows, N, K) on device's architecture, or None. kind "dense" (rows:
+    x's) or "grouped" (rows: an expert's average share)."""
+    return TUNED_TILES.get(_arch(torch.device(device)), {}).get((kind, _row_bucket(rows), N, K))
+
+
+def tiles_for(kind: str, rows: int, N: int, K: int, device) -> tuple[int, int, int, int, str]:
+    """(BM, BN, num_warps, num_stages, mode) of a launch: tuned_tiles', else _tiles(rows)."""
+    return tuned_tiles(kind, rows, N, K, device) or _tiles(rows)
 
 
 def triton_linear(x, weight, weight_scale_inv, bias=None, tiles=None):
-    """The Triton kernel above: x [..., K] (any float dtype), weight fp8 [N, K], scales [Nb, Kb] -> [..., N]
-    in x.dtype. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. tiles: (BM, BN, num_warps, num_stages), by
+    """The Triton kernels above: x [..., K] (any float dtype), weight fp8 [N, K], scales [Nb, Kb] -> [..., N]
+    in x.dtype. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1. tiles: (BM, BN, num_warps, num_stages, mode), by
     default tiles_for's (the tile table's, else _tiles'); bench/fp8_tiles.py passes each candidate."""
-    if not dsa_triton.available(x):
-        raise RuntimeError("fp8.triton_linear needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
-    interpret = dsa_triton._interpret()
-    kernel = _compiled(interpret)
     *lead, K = x.shape
     N = weight.shape[0]
     x2 = x.reshape(-1, K)
-    M = x2.shape[0]
+    tiles = tiles or tiles_for("dense", x2.shape[0], N, K, x.device)
+    return _gemm(x2, weight, weight_scale_inv, bias, None, tiles, _cdiv(x2.shape[0], tiles[0])).view(*lead, N)
+
+
+def _gemm(x, weight, weight_scale_inv, bias, table, tiles, row_tiles):
+    """Launch the GEMM on x [M, K] (strided rows are fine) -> y [M, N] in x.dtype, over row_tiles x ceil(N / BN)
+    programs: one matrix (weight [N, K], table None) or stacked experts (weight [E, N, K], table: _tile_table's).
+    "pre" and "swap" quantize x first (_quant_kernel, rows in tiles of 16), then read its codes."""
+    if not dsa_triton.available(x):
+        raise RuntimeError("fp8's Triton kernels need triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
+    interpret = dsa_triton._interpret()
+    gemm, quant = _compiled(interpret)
+    (M, K), N = x.shape, weight.shape[-2]
+    BM, BN, warps, stages, mode = tiles
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
-        return y.view(*lead, N)
-    BM, BN, warps, stages = tiles or tiles_for("dense", M, N, K, x.device)
+        return y
+    rounding = dict(AMAX_MIN=AMAX_MIN, QMAX=E4M3_MAX, ROUND_FIRST=interpret)
+    sw, sws = weight.stride(), weight_scale_inv.stride()
+    if table is None:  # one matrix: no expert stride
+        sw, sws = (0, *sw), (0, *sws)
+    xs = y  # (an unread pointer for "fused")
+    if mode != "fused":
+        x, xs = triton_quantize(x)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on x's GPU
-        kernel[(_cdiv(M, BM), _cdiv(N, BN))](
-            x2, weight, weight_scale_inv, bias if bias is not None else y, y, y, M, N, K, *x2.stride(),
-            0, *weight.stride(), 0, *weight_scale_inv.stride(), *y.stride(), BM=BM, BN=BN, BK=BLOCK,
-            HAS_BIAS=bias is not None, AMAX_MIN=AMAX_MIN, QMAX=E4M3_MAX, ROUND_FIRST=interpret, GROUPED=False,
-            num_warps=warps, num_stages=stages)
-    return y.view(*lead, N)
+        gemm[(row_tiles, _cdiv(N, BN))](
+            x, xs, weight, weight_scale_inv, bias if bias is not None else y, y, table if table is not None else y,
+            M, N, K, *x.stride(), *xs.stride(), *sw, *sws, *y.stride(), BM=BM, BN=BN, BK=BLOCK,
+            HAS_BIAS=bias is not None, GROUPED=table is not None, PRE=mode != "fused", SWAP=mode == "swap",
+            num_warps=warps, num_stages=stages, **rounding)
+    return y
+
+
+def triton_quantize(x, rows=None, scales=None):
+    """quantize_activations' codes and scales by _quant_kernel (one launch, no fp32 copy of x): x [M, K] (strided rows
+    are fine) -> (codes fp8 [rows, K], scales fp32 [rows, Kb]); rows (default M) past M quantize zeros (scaled_mm's
+    padding). scales: a [rows, Kb] fp32 tensor to write into, any strides (scaled_mm's are column-major)."""
+    (M, K), rows = x.shape, rows or x.shape[0]
+    xq = torch.empty(rows, K, dtype=FP8, device=x.device)
+    xs = torch.empty(rows, _cdiv(K, BLOCK), dtype=torch.float32, device=x.device) if scales is None else scales
+    if xq.numel():
+        interpret = dsa_triton._interpret()
+        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+            _compiled(interpret)[1][(_cdiv(rows, 16), _cdiv(K, BLOCK))](
+                x, xq, xs, M, rows, K, *x.stride(), *xq.stride(), *xs.stride(), BM=16, BK=BLOCK, AMAX_MIN=AMAX_MIN,
+                QMAX=E4M3_MAX, ROUND_FIRST=interpret)
+    return xq, xs
 
 
 def _tile_table(ends, BM: int, T: int):
@@ -452,24 +539,11 @@ def triton_grouped_linear(x, weight, weight_scale_inv, ends, tiles=None):
     [E, Nb, Kb], ends [E] the cumulative row counts (rows ends[e-1]:ends[e] times expert e's weight) -> [M, N] in
     x.dtype; each row's result is triton_linear's for that row and its expert's matrix. No host read of ends:
     FP8Experts' forward stays capturable in the engine's CUDA graphs. CUDA, or CPU under TRITON_INTERPRET=1.
-    tiles: (BM, BN, num_warps, num_stages), by default tiles_for("grouped", ...)'s for an expert's average rows."""
-    if not dsa_triton.available(x):
-        raise RuntimeError("fp8.triton_grouped_linear needs triton and a CUDA tensor (or TRITON_INTERPRET=1 on CPU)")
-    interpret = dsa_triton._interpret()
-    kernel = _compiled(interpret)
+    tiles: (BM, BN, num_warps, num_stages, mode), by default tiles_for("grouped", ...)'s for an expert's average rows."""
     (M, K), (E, N, _) = x.shape, weight.shape
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if y.numel() == 0:
-        return y
-    BM, BN, warps, stages = tiles or tiles_for("grouped", _cdiv(M, E), N, K, x.device)  # an expert's average rows
-    T = _cdiv(M, BM) + E
-    tiles = _tile_table(ends, BM, T)
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        kernel[(T, _cdiv(N, BN))](
-            x, weight, weight_scale_inv, y, y, tiles, M, N, K, *x.stride(), *weight.stride(),
-            *weight_scale_inv.stride(), *y.stride(), BM=BM, BN=BN, BK=BLOCK, HAS_BIAS=False, AMAX_MIN=AMAX_MIN,
-            QMAX=E4M3_MAX, ROUND_FIRST=interpret, GROUPED=True, num_warps=warps, num_stages=stages)
-    return y
+    tiles = tiles or tiles_for("grouped", _cdiv(M, E), N, K, x.device)  # an expert's average rows
+    T = _cdiv(M, tiles[0]) + E
+    return _gemm(x, weight, weight_scale_inv, None, _tile_table(ends, tiles[0], T), tiles, T)
 
 
 # ----------------------------------------------------------------------------------------------- dispatch

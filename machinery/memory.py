@@ -215,6 +215,18 @@ def _forward_bytes(cfg: GLMConfig, M, dsa_kernels):
     return out
 
 
+def _fp8_input_bytes(cfg: GLMConfig, M) -> int:
+    """The quantized copy of an fp8 linear's input (machinery/fp8.py) over M tokens, at its largest: the widest input
+    ([M, max(h, I)], or the routed experts' sorted slots [M k, max(h, I_moe)]) as e4m3 codes and a fp32 scale per 128
+    values (fp8.triton_quantize: scaled_mm's path and the Triton kernel's "pre" and "swap" modes; "fused" quantizes on
+    chip. Without Triton, scaled_mm's PyTorch quantization would hold 7 bytes a value: not planned, a CUDA torch
+    ships Triton)."""
+    values = M * max(cfg.hidden_size, cfg.intermediate_size)
+    if cfg.moe is not None:
+        values = max(values, M * cfg.moe.num_experts_per_tok * max(cfg.hidden_size, cfg.moe.moe_intermediate_size))
+    return int(values * (1 + 4 / 128))
+
+
 def teacher_items(cfg: GLMConfig, tokens, fp8, logit_chunk, dsa_kernels=True):
     """(weights, scoring) items of an on-policy distillation teacher on the generator's GPU (machinery/teacher.py):
     its bf16 weights (fp8: block-wise e4m3), and what scoring one packed row of `tokens` costs at its peak: the
@@ -227,8 +239,8 @@ def teacher_items(cfg: GLMConfig, tokens, fp8, logit_chunk, dsa_kernels=True):
     weights = fp8_weight_bytes(cfg) if fp8 else 2 * P + 2 * P32
     c = min(logit_chunk, tokens)
     scoring = max(_forward_bytes(cfg, tokens, dsa_kernels), tokens * 2 * cfg.hidden_size + c * cfg.vocab_size * (2 + 4 + 4))
-    if fp8:  # an fp8 linear's input quantized too: [tokens, widest input] e4m3 + a fp32 scale per 128 values
-        scoring += int(tokens * max(cfg.hidden_size, cfg.intermediate_size) * (1 + 4 / 128))
+    if fp8:  # an fp8 linear's input quantized too
+        scoring += _fp8_input_bytes(cfg, tokens)
     return ([(f"distillation teacher's {'fp8' if fp8 else 'bf16'} weights ({P / 1e9:.1f}B parameters)", weights)],
             [(f"the teacher scoring one packed row of {tokens} tokens", scoring)], P)
 
@@ -390,7 +402,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
         prefill = _forward_bytes(cfg, M, dsa_kernels) + M * (16 * (group_size - 1) + 2 * KD)  # + the copies' (slot,
         # source) pairs; one copy's keys. Speculative: the trunk's hidden at every token, kept for the MTP layer's
         # forward over the row (one block, after the trunk's activations are gone)
-        prefill += M * h * 2 if k else 0
+        prefill += (M * h * 2 if k else 0) + (_fp8_input_bytes(cfg, M) if fp8 else 0)  # fp8: a linear's input quantized
         # A decode step: the forward's bf16 logits [B, V] (with DSA the rows' indexer keys gathered [B, S, d_I] and
         # their scores; a turn that extends parked KV runs as such steps of at most B rows); then sampling: fp32 logits, / temperature, log_softmax, exp (greedy eval's path), and,
         # without the kernels (dsa_triton.sample), the noise's int64 hashes
@@ -403,6 +415,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
             forward = 2 * R * V + max(2 * R * (h + 2 * I), R * moe_token) + dsa_decode
             if cfg.mla is not None:
                 forward += R * S * (2 * cfg.kv_width + 4 * H * 2)
+            forward += _fp8_input_bytes(cfg, R) if fp8 else 0
             return forward, 4 * R * V * 4 + (0 if dsa_kernels else 3 * R * V * 8)  # the fused sampler hashes on chip
         forward, sampling = decode(B, S)
         steps = [(f"prefill of {M} packed tokens", prefill)]

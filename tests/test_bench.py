@@ -12,8 +12,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "4f", "5", "6", "7", "8", "9", "10"]
-CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "4f", "5", "6", "10"]
+PARTS = ["1", "2", "3", "4a", "4b", "4c", "4d", "4e", "4f", "5", "6", "7", "8", "9", "10a", "10b", "10c"]
+CUDA_PARTS = ["1", "4a", "4b", "4c", "4d", "4e", "4f", "5", "6", "10a", "10b", "10c"]
 
 
 @pytest.fixture(scope="module")
@@ -63,19 +63,20 @@ def test_dry_run_writes_its_files_and_summary(dry):
     assert not (out / "5_tiny").exists()
 
 
-@pytest.mark.parametrize("parts,runs", [("1", ["1"]), ("10", ["10"]), ("4", ["4a", "4b", "4c", "4d", "4e", "4f"])])
+@pytest.mark.parametrize("parts,runs", [("1", ["1"]), ("10", ["10a", "10b", "10c"]), ("10a", ["10a"]),
+                                        ("4", ["4a", "4b", "4c", "4d", "4e", "4f"])])
 def test_gpu_sh_parts_selects_by_the_whole_number(tmp_path, parts, runs):
     """--parts: a number selects its part and its lettered ones (4: 4a ... 4f), never another number's (1 is not 10);
     a rerun into the same OUTDIR keeps the other parts' status rows. Dry mode: only CUDA parts among these (skipped)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHON": sys.executable}
     out = tmp_path / "out"
     out.mkdir()
-    (out / "status.tsv").write_text("part\tname\tstatus\n1\ta\tok\n10\tb\tok\n4a\tc\tok\n2\td\tok\n")
+    (out / "status.tsv").write_text("part\tname\tstatus\n1\ta\tok\n10a\tb\tok\n4a\tc\tok\n2\td\tok\n")
     r = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu.sh"), "--dry", "--parts", parts, str(out)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert [p for p in PARTS if f"---- part {p}:" in r.stdout] == runs
-    kept = {"1", "10", "4a", "2"} - {p for p in PARTS if p in runs or p.rstrip("abcde") == parts}
+    kept = {"1", "10a", "4a", "2"} - {p for p in PARTS if p in runs or p.rstrip("abcdef") == parts}
     assert set(status(out)) == kept | set(runs)
 
 

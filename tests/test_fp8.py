@@ -243,11 +243,27 @@ def test_triton_kernel_in_the_interpreter(interpreter, dtype, M, N, K):
 def test_fp8_linear_runs_the_kernel_under_the_interpreter(interpreter, monkeypatch):
     calls = []
     real = fp8.triton_linear
-    monkeypatch.setattr(fp8, "triton_linear", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fp8, "triton_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
     w, q, s, b = quantized(64, 96, seed=6)
     x = torch.randn(3, 96)
     check(fp8.fp8_linear(x, q, s, b), fp8.reference_linear(x, q, s, b).double(), FP32_TOL, what="dispatch")
     assert calls == [1]
+
+
+def test_triton_quantize_is_quantize_activations_in_scaled_mms_layout(interpreter):
+    """triton_quantize (the "pre" and "swap" modes' first launch; scaled_mm_linear's quantization where Triton runs)
+    against quantize_activations: the same codes and scales (ragged K, strided rows); rows past x's (scaled_mm pads M to
+    a multiple of 4) quantize zeros; the scales written into a column-major [rows, Kb] view, as cuBLAS reads them."""
+    x = blocky(6, 300, seed=11, rows=1, lo=-4, hi=4).to(torch.bfloat16)
+    xq_ref, xs_ref = fp8.quantize_activations(x)
+    same = lambda a, b: torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # noqa: E731 (fp8: compare the codes)
+    xq, xs = fp8.triton_quantize(x.T.contiguous().T)  # strided rows
+    assert same(xq, xq_ref) and torch.equal(xs, xs_ref)
+    column_major = torch.full((3, 8), float("nan")).t()  # [8, 3], strides (1, 8)
+    xq8, xs8 = fp8.triton_quantize(x, 8, column_major)
+    assert xs8 is column_major and xq8.shape == (8, 300)
+    zq, zs = fp8.quantize_activations(torch.zeros(2, 300))
+    assert same(xq8[:6], xq_ref) and torch.equal(xs8[:6], xs_ref) and same(xq8[6:], zq) and torch.equal(xs8[6:], zs)
 
 
 def grouped_case(counts, N, K, seed):
@@ -268,23 +284,34 @@ def grouped_ref(x, w, ends):
 
 def test_every_tile_candidate_is_within_the_bound_in_the_interpreter(interpreter):
     """Each launch shape the GPU sweep may write into the tile table (fp8.TILE_CANDIDATES) computes the float64
-    reference within the fp32 bound, dense and grouped: ragged rows (21: no tile height divides them), columns (200)
-    and K (300: three K blocks, the last partial); two of the five experts with no rows. num_warps and num_stages do
-    not change what the interpreter runs (one program at a time), so each (BM, BN) runs once; the GPU sweep checks
-    every full candidate on the device against the reference."""
+    reference within the fp32 bound, dense and grouped, in each of its modes: ragged rows (21: no tile height divides
+    them), columns (200) and K (300: three K blocks, the last partial); two of the five experts with no rows. num_warps
+    and num_stages do not change what the interpreter runs (one program at a time), so each (BM, BN, mode) runs once
+    (grouped: each (BM, mode));
+    the GPU sweep checks every full candidate on the device against the reference. "pre" quantizes in its own launch
+    what "fused" quantizes in the GEMM, by the same arithmetic: the same bits; "swap" sums the same products in
+    another order (within the bound)."""
     assert all(fp8._tiles(M) in fp8.TILE_CANDIDATES for M in range(1, 5000))  # the fallback is the sweep's baseline
+    assert {c[4] for c in fp8.TILE_CANDIDATES} == set(fp8.MODES)
     w, q, s, b = quantized(200, 300, seed=7)
     x = blocky(21, 300, seed=8, rows=1, lo=-4, hi=4)
     ref = ref_linear(x, w, b)
     xg, wg, qg, sg, ends = grouped_case([0, 9, 1, 0, 11], 200, 300, seed=9)
     ref_g = grouped_ref(xg, wg, ends)
-    shapes = {}
+    shapes, fused, grouped = {}, {}, set()
     for c in fp8.TILE_CANDIDATES:
-        shapes.setdefault(c[:2], c)
-    assert len(shapes) >= 8
-    for c in shapes.values():
-        check(fp8.triton_linear(x, q, s, b, tiles=c), ref, FP32_TOL, what=f"dense {c}")
-        check(fp8.triton_grouped_linear(xg, qg, sg, ends, tiles=c), ref_g, FP32_TOL, what=f"grouped {c}")
+        shapes.setdefault((c[0], c[1], c[4]), c)
+    assert len(shapes) >= 20
+    for (BM, BN, mode), c in sorted(shapes.items()):
+        y = fp8.triton_linear(x, q, s, b, tiles=c)
+        check(y, ref, FP32_TOL, what=f"dense {c}")
+        if mode == "fused":
+            fused[BM, BN] = y
+        elif mode == "pre" and (BM, BN) in fused:
+            assert torch.equal(y, fused[BM, BN]), c
+        if (BM, mode) not in grouped:  # (the grouped kernel's own part, its row tiles, depends on BM, not BN)
+            grouped.add((BM, mode))
+            check(fp8.triton_grouped_linear(xg, qg, sg, ends, tiles=c), ref_g, FP32_TOL, what=f"grouped {c}")
 
 
 class Launches:
@@ -295,7 +322,8 @@ class Launches:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
-            self.seen.append((tuple(grid), kw["BM"], kw["BN"], kw["num_warps"], kw["num_stages"]))
+            mode = "swap" if kw["SWAP"] else "pre" if kw["PRE"] else "fused"
+            self.seen.append((tuple(grid), kw["BM"], kw["BN"], kw["num_warps"], kw["num_stages"], mode))
             return self.kernel[grid](*args, **kw)
         return launch
 
@@ -304,31 +332,51 @@ def test_a_tile_table_entry_is_the_launch_shape_when_its_key_matches(interpreter
     """fp8.TUNED_TILES: an entry for the device's architecture ("cpu" here), kind, row bucket, N and K sets the
     launch (its BN and BM change the grid); a key it does not name (another N, another bucket, the grouped kind)
     takes _tiles' rule. The results stay the reference's either way."""
-    real = fp8._compiled
-    launches = Launches(real(True))
-    monkeypatch.setattr(fp8, "_compiled", lambda interpret: launches)
-    monkeypatch.setitem(fp8.TUNED_TILES, "cpu", {("dense", 8, 200, 300): (16, 32, 8, 2),
-                                                  ("grouped", 8, 200, 300): (32, 128, 8, 4)})
+    gemm, quant = fp8._compiled(True)
+    launches = Launches(gemm)
+    monkeypatch.setattr(fp8, "_compiled", lambda interpret: (launches, quant))
+    monkeypatch.setitem(fp8.TUNED_TILES, "cpu", {("dense", 8, 200, 300): (16, 32, 8, 2, "fused"),
+                                                  ("grouped", 8, 200, 300): (32, 128, 8, 4, "swap")})
     w, q, s, b = quantized(200, 300, seed=7)
     x = blocky(5, 300, seed=8, rows=1, lo=-4, hi=4)
     check(fp8.triton_linear(x, q, s, b), ref_linear(x, w, b), FP32_TOL, what="tuned dense")
-    assert launches.seen[-1] == ((1, 7), 16, 32, 8, 2)  # 200 columns in tiles of 32; _tiles: 4 of 64
+    assert launches.seen[-1] == ((1, 7), 16, 32, 8, 2, "fused")  # 200 columns in tiles of 32; _tiles: 4 of 64
     fp8.triton_linear(x[:, :299], q[:, :299], s, b)  # K 299: not the entry's key
     fp8.triton_linear(torch.cat([x, x]), q, s, b)  # 10 rows: bucket 16
-    assert launches.seen[-2:] == [((1, 4), 16, 64, 4, 3)] * 2
+    assert launches.seen[-2:] == [((1, 4), 16, 64, 4, 3, "fused")] * 2
     xg, wg, qg, sg, ends = grouped_case([0, 9, 1, 0, 11], 200, 300, seed=9)  # 21 rows, 5 experts: 5 a share, bucket 8
     check(fp8.triton_grouped_linear(xg, qg, sg, ends), grouped_ref(xg, wg, ends), FP32_TOL, what="tuned grouped")
-    assert launches.seen[-1] == ((1 + 5, 2), 32, 128, 8, 4)  # ceil(21 / 32) + E row tiles; _tiles: ceil(21 / 16) + E
+    assert launches.seen[-1] == ((1 + 5, 2), 32, 128, 8, 4, "swap")  # ceil(21 / 32) + E; _tiles: ceil(21 / 16) + E
     monkeypatch.setitem(fp8.TUNED_TILES, "cpu", {})
     fp8.triton_grouped_linear(xg, qg, sg, ends)
-    assert launches.seen[-1] == ((2 + 5, 4), 16, 64, 4, 3)
+    assert launches.seen[-1] == ((2 + 5, 4), 16, 64, 4, 3, "fused")
     assert fp8.tiles_for("dense", 5, 200, 300, "cuda:0" if torch.cuda.is_available() else "cpu") == fp8._tiles(5)
 
 
+def test_fp8_linear_takes_triton_over_scaled_mm_only_where_the_table_names_the_shape(interpreter, monkeypatch):
+    """Where K and N are multiples of 128 and scaled_mm runs, fp8_linear takes it, unless the tile table names the shape
+    (a GPU sweep measured the Triton kernel faster there: bench/fp8_tiles.py), then the Triton kernel with the entry's
+    launch shape; a shape scaled_mm cannot take goes to the Triton kernel with _tiles' rule."""
+    calls = []
+    monkeypatch.setattr(fp8, "_working_paths", lambda device: ("scaled_mm", "triton"))
+    monkeypatch.setattr(fp8, "scaled_mm_linear", lambda *a: calls.append("scaled_mm") or fp8.reference_linear(*a))
+    real = fp8.triton_linear
+    monkeypatch.setattr(fp8, "triton_linear", lambda *a, tiles=None: calls.append(tiles) or real(*a, tiles=tiles))
+    monkeypatch.setitem(fp8.TUNED_TILES, "cpu", {("dense", 4, 256, 384): (16, 64, 4, 3, "swap")})
+    _, q, s, b = quantized(256, 384, seed=3)
+    x = blocky(5, 384, seed=4, rows=1, lo=-4, hi=4)
+    spec = lambda x, q, s, b: fp8.reference_linear(x, q, s, b).double()  # noqa: E731 (the routing is the point here)
+    for rows in (3, 5):  # buckets 4 (the entry's) and 8 (none)
+        check(fp8.fp8_linear(x[:rows], q, s, b), spec(x[:rows], q, s, b), FP32_TOL, what=f"{rows} rows")
+    _, q2, s2, b2 = quantized(200, 384, seed=5)  # N = 200: not scaled_mm's
+    check(fp8.fp8_linear(x, q2, s2, b2), spec(x, q2, s2, b2), FP32_TOL, what="ragged N")
+    assert calls == [(16, 64, 4, 3, "swap"), "scaled_mm", None]
+
+
 def test_the_sweep_writes_the_tile_table_as_fp8_reads_it(tmp_path, capsys, monkeypatch):
-    """bench/fp8_tiles.py --write's rewrite of the table in a copy of fp8.py: a measured key whose choice is not _tiles'
-    rule becomes an entry, one whose choice is the rule loses its entry, another architecture's entries stay; the file
-    stays Python whose TUNED_TILES is that table. fp8.py's own table is what the writer reads. On a CPU the sweep
+    """bench/fp8_tiles.py --write's rewrite of the table in a copy of fp8.py: a measured key whose choice is not its
+    baseline becomes an entry, one whose choice is the baseline loses its entry, another architecture's entries stay;
+    the file stays Python whose TUNED_TILES is that table. fp8.py's own table is what the writer reads. On a CPU the sweep
     refuses in one line."""
     import ast
     import json
@@ -346,27 +394,38 @@ def test_the_sweep_writes_the_tile_table_as_fp8_reads_it(tmp_path, capsys, monke
     path = tmp_path / "fp8.py"
     path.write_text(text)
     fb = fp8._tiles(64)
-    fp8_tiles.write_table(path, "sm_90", {("dense", 64, 768, 2048): ((16, 32, 4, 3), fb),
+    fp8_tiles.write_table(path, "sm_90", {("dense", 64, 768, 2048): ((16, 32, 4, 3, "pre"), fb),
                                           ("grouped", 4, 3072, 2048): (fp8._tiles(4), fp8._tiles(4))}, "GPU A")
-    fp8_tiles.write_table(path, "sm_100", {("dense", 256, 576, 2048): ((64, 64, 4, 4), fp8._tiles(256))}, "GPU B")
-    assert table_of(path) == {"sm_90": {("dense", 64, 768, 2048): (16, 32, 4, 3)},
-                              "sm_100": {("dense", 256, 576, 2048): (64, 64, 4, 4)}}
+    fp8_tiles.write_table(path, "sm_100", {("dense", 256, 576, 2048): ((64, 64, 4, 4, "fused"), "scaled_mm")}, "GPU B")
+    assert table_of(path) == {"sm_90": {("dense", 64, 768, 2048): (16, 32, 4, 3, "pre")},
+                              "sm_100": {("dense", 256, 576, 2048): (64, 64, 4, 4, "fused")}}
     fp8_tiles.write_table(path, "sm_90", {("dense", 64, 768, 2048): (fb, fb)}, "GPU C")  # the rule won this time
-    assert table_of(path) == {"sm_100": {("dense", 256, 576, 2048): (64, 64, 4, 4)}}
+    assert table_of(path) == {"sm_100": {("dense", 256, 576, 2048): (64, 64, 4, 4, "fused")}}
     assert '"sm_100": {  # GPU B' in path.read_text()
     outside = lambda t: t.replace(t.split(fp8_tiles.BEGIN)[1].split(fp8_tiles.END)[0], "")  # noqa: E731
     assert outside(path.read_text()) == outside(text)  # nothing else of the file changed
-    # --from a GPU sweep's JSON (here a made-up one of its form) --write: the same rewrite, on any machine
+    # --from a GPU sweep's JSON (here a made-up one of its form) --write: the same rewrite, on any machine, each key
+    # decided again by today's rule from its recorded times. kv_a (N = 576): no scaled_mm, the baseline is _tiles'
+    # rule, beaten by 1.5x: an entry. o_proj (aligned): the baseline is scaled_mm; at 64 rows a candidate beats it (an
+    # entry), at 256 none does (no entry: fp8_linear keeps scaled_mm). A 4-field shape is a sweep's from before the
+    # modes: "fused".
+    fb = ",".join(map(str, fp8._tiles(256)))
     key = dict(kind="dense", name="Flash self_attn.kv_a_proj_with_mqa", N=576, K=2048, rows=256, M=256, bucket=256,
-               copies=64, fallback=list(fp8._tiles(256)), choice=[64, 64, 4, 3], fallback_us=9.0, choice_us=6.0,
-               bf16_us=7.0, candidates={"64,64,4,3": dict(err=2e-3, us=6.0), "128,64,4,3": dict(err=0.5, us=None)})
-    sweep = dict(device="GPU D", arch="sm_90", torch="2.x", triton="3.x", reps=7, margin=0.03, keys=[key])
+               copies=64, fallback=list(fp8._tiles(256)), bf16_us=7.0,
+               candidates={"64,64,4,3": dict(err=2e-3, us=6.0), "128,64,4,3": dict(err=0.5, us=None), fb: dict(us=9.0)})
+    o64 = dict(key, name="Flash self_attn.o_proj", N=2048, K=5120, rows=64, bucket=64, scaled_mm_us=40.0,
+               candidates={"16,64,4,3,swap": dict(err=1e-3, us=20.0), "16,64,4,3,fused": dict(err=1e-3, us=45.0)})
+    o256 = dict(o64, rows=256, bucket=256, candidates={"16,128,4,3,pre": dict(err=1e-3, us=41.0)})
+    sweep = dict(device="GPU D", arch="sm_90", torch="2.x", triton="3.x", reps=7, margin=0.03, keys=[key, o64, o256])
     (tmp_path / "sweep.json").write_text(json.dumps(sweep))
     monkeypatch.setattr(fp8_tiles, "FP8_PY", str(path))
     assert fp8_tiles.main(["--from", str(tmp_path / "sweep.json"), "--write"]) == 0
-    assert table_of(path)["sm_90"] == {("dense", 256, 576, 2048): (64, 64, 4, 3)}
+    assert table_of(path)["sm_90"] == {("dense", 256, 576, 2048): (64, 64, 4, 3, "fused"),
+                                       ("dense", 64, 2048, 5120): (16, 64, 4, 3, "swap")}
     out = capsys.readouterr().out
     assert "| dense | Flash self_attn.kv_a_proj_with_mqa | 576 x 2048 | 256 | 256 |" in out and "1.50x" in out
+    assert "| scaled_mm 40.0 | (16, 64, 4, 3, 'swap') 20.0 | 2.00x |" in out
+    assert "| scaled_mm 40.0 | scaled_mm 40.0 | 1.00x |" in out
     assert "(128,64,4,3) error 5.0e-01" in out
     if not torch.cuda.is_available():
         assert fp8_tiles.main([]) == 2 and capsys.readouterr().out.count("\n") == 1
@@ -375,29 +434,43 @@ def test_the_sweep_writes_the_tile_table_as_fp8_reads_it(tmp_path, capsys, monke
 COMPILE_SCRIPT = """
 import triton
 from machinery import fp8
-fp8._compiled(False)  # sets the kernel's global tl
+fp8._compiled(False)  # sets the kernels' global tl and their jitted helper
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
-fn = JITFunction(fp8._gemm_kernel)
-for M in (1, 4096):  # a decode step (mma.sync tiles of 16 rows) and a prefill (wgmma)
-  for grouped in (False, True):  # one matrix; every expert's in one launch (FP8Experts)
-    BM, BN, warps, stages = fp8._tiles(M)
-    consts = dict(BM=BM, BN=BN, BK=128, HAS_BIAS=not grouped, AMAX_MIN=fp8.AMAX_MIN, QMAX=fp8.E4M3_MAX,
-                  ROUND_FIRST=False, GROUPED=grouped, sxk=1, swk=1, swsk=1, syn=1)
-    ptr = dict(X="*bf16", W="*fp8e4nv", WS="*fp32", BIAS="*bf16", Y="*bf16", TILES="*i32")
+def compile(fn, consts, ptr, warps, stages):
     sig = {a: "constexpr" if a in consts else ptr.get(a, "i32") for a in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
-    assert k.asm["cubin"] and "cvt.rn.satfinite.e4m3x2" in k.asm["ptx"], M
-    print(M, grouped, "ok")
+    assert k.asm["cubin"]
+    return k.asm["ptx"]
+rounding = dict(AMAX_MIN=fp8.AMAX_MIN, QMAX=fp8.E4M3_MAX, ROUND_FIRST=False)
+ptx = compile(JITFunction(fp8._quant_kernel), dict(BM=16, BK=128, sxk=1, sqk=1, **rounding),
+              dict(X="*bf16", XQ="*fp8e4nv", XS="*fp32"), 4, 1)
+assert "cvt.rn.satfinite.e4m3x2" in ptx
+# a decode step's tiles (16 rows) and a prefill's, one matrix and every expert's in one launch (FP8Experts)
+for tiles, grouped in (((16, 64, 4, 3, "fused"), False), ((128, 128, 8, 3, "fused"), True), ((16, 64, 4, 3, "pre"),
+                       False), ((16, 128, 4, 3, "swap"), False), ((16, 128, 4, 3, "swap"), True)):
+    BM, BN, warps, stages, mode = tiles
+    consts = dict(BM=BM, BN=BN, BK=128, HAS_BIAS=not grouped, GROUPED=grouped, PRE=mode != "fused",
+                  SWAP=mode == "swap", sxk=1, ssk=1, swk=1, swsk=1, syn=1, **rounding)
+    ptr = dict(X="*bf16" if mode == "fused" else "*fp8e4nv", XS="*fp32", W="*fp8e4nv", WS="*fp32", BIAS="*bf16",
+               Y="*bf16", TILES="*i32")
+    ptx = compile(JITFunction(fp8._gemm_kernel), consts, ptr, warps, stages)
+    assert ("cvt.rn.satfinite.e4m3x2" in ptx) == (mode == "fused"), tiles
+    # swap: the weight as wgmma's 64-row operand, fp8 on the tensor cores; 16 rows unswapped: mma.sync on the codes
+    # converted to fp16 (why "swap" exists)
+    if BM == 16:
+        assert (".e4m3.e4m3" in ptx and "wgmma" in ptx) == (mode == "swap"), tiles
+    print(tiles, grouped, "ok")
 """
 
 
 def test_kernel_compiles_for_h100():
     """The GPU compiler rejects some programs the interpreter runs (fp8 tl.dot operands, block shapes): compile
-    the kernel for sm_90 with Triton's compiler and ptxas (no GPU needed), in a fresh process (this one's triton
-    is in interpreter mode), and check that the activations are cast by the hardware's saturating e4m3 convert."""
+    the kernels for sm_90 with Triton's compiler and ptxas (no GPU needed), in a fresh process (this one's triton
+    is in interpreter mode), and check that the activations are cast by the hardware's saturating e4m3 convert (in
+    the GEMM for "fused", in _quant_kernel otherwise) and that "swap" puts a decode step's fp8 on wgmma."""
     compile_for_h100(COMPILE_SCRIPT)
 
 
@@ -512,8 +585,9 @@ def test_the_gpu_bound_on_the_cpu(interpreter):
 def test_cuda_fp8_paths_are_within_their_bound_of_the_exact_product():
     """On a GPU (bf16 activations as on the engine; decode and prefill row counts; K and N multiples of 128, which
     scaled_mm takes, and ragged, which only the Triton kernel does): quantize_activations gives the CPU's scales
-    exactly (both divide correctly rounded) and the CPU's codes but at near ties; each path that passed fp8_linear's
-    first-use check is within the bound above of the exact product of the codes it used (the section's comment)."""
+    exactly (both divide correctly rounded) and the CPU's codes but at near ties, and so does triton_quantize; each path
+    that passed fp8_linear's first-use check, and the Triton kernel in each mode, is within the bound above of the exact
+    product of the codes it used (the section's comment)."""
     paths = fp8._working_paths(torch.device("cuda"))
     assert "triton" in paths, paths
     for M, N, K in SHAPES:
@@ -526,10 +600,15 @@ def test_cuda_fp8_paths_are_within_their_bound_of_the_exact_product():
         F = near_tie_flips(x, xs, q, s)
         args = (x.cuda(), q.cuda(), s.cuda(), b.cuda())
         wrong = [fp8.reference_linear(x, q, s.flip(0), b)]
+        xq_t, xs_t = fp8.triton_quantize(args[0])  # the "pre" / "swap" modes' codes, and scaled_mm_linear's
+        assert torch.equal(xs_t.cpu(), xs), f"{M}x{K}: triton_quantize's scales differ from the CPU's"
+        same_codes_but_near_ties(xq_t, xs_t, xq, xs, x, f"triton_quantize {M}x{K}")
         within_bound(fp8.fp8_linear(*args), ref, S, F, f"fp8_linear {M}x{N}x{K}", wrong)
-        within_bound(fp8.triton_linear(*args), ref, S, F, f"triton {M}x{N}x{K}")
+        for mode in fp8.MODES:
+            y = fp8.triton_linear(*args, tiles=(*fp8._tiles(M)[:4], mode))
+            within_bound(y, ref, S, F, f"triton {mode} {M}x{N}x{K}")
         if "scaled_mm" in paths and K % 128 == 0 and N % 128 == 0:
-            own, S_own = exact_product(xq_gpu, xs_gpu, q, s, b)
+            own, S_own = exact_product(xq_t, xs_t, q, s, b)
             within_bound(fp8.scaled_mm_linear(*args), own, S_own, 0 * F, f"scaled_mm {M}x{N}x{K}")
 
 
