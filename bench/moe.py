@@ -46,10 +46,10 @@ no longer than DSA's top-k (a check that they hold the same weights).
    prompts: on tiny and wide, bench/engine.py's workloads (`uniform`: --batch prompts, 64 new tokens each; `rl`:
    256 requests of heavy-tailed lengths; transformers runs batches of --batch in order, each to its longest
    member) and its count (requested new tokens per second), per-token logprobs from both. On flash: --gen-batch
-   rows of --prompt-token prompts, --new-tokens each, prefill (a 1-token generate) and decode tokens/s, ours with
-   CUDA graphs and eagerly, transformers without its scores (a [rows, 154880] float tensor per step), then ours
-   with fp8 weights (machinery/fp8.quantize_model_ of the same generator: the routed experts in FP8Experts' grouped
-   kernel), graphs and eager.
+   rows of --prompt-token prompts, --new-tokens each, prefill (a 1-token generate, median of --repeat) and decode
+   tokens/s (the rest of one --new-tokens generate), ours with CUDA graphs and eagerly, transformers without its
+   scores (a [rows, 154880] float tensor per step), then ours with fp8 weights (machinery/fp8.quantize_model_ of
+   the same generator: the routed experts in FP8Experts' grouped kernel), graphs and eager.
 """
 import argparse
 import copy
@@ -490,10 +490,13 @@ def flash_engine(gen, hf, arch, device, args):
                 with Peak(device) as p:
                     times = {}
                     for n in (1, args.new_tokens):  # 1 new token = the prefill (and one sampling step)
-                        sync(device)
-                        t0 = time.perf_counter()
-                        gen_n(n)
-                        times[n] = time.perf_counter() - t0
+                        runs = []
+                        for _ in range(args.repeat if n == 1 else 1):  # (a prefill is short: median of --repeat)
+                            sync(device)
+                            t0 = time.perf_counter()
+                            gen_n(n)
+                            runs.append(time.perf_counter() - t0)
+                        times[n] = statistics.median(runs)
                 note = ""
                 if kind.endswith("graphs") and (eng.graphs is None or eng.graphs.failed or not eng.graphs.graphs):
                     note = "CUDA graphs fell back to eager"
@@ -627,7 +630,8 @@ def setting(args, device):
               "wall-clock s.")
     if "flash" in args.shapes:
         s += (f" Generation on flash: {args.gen_batch} rows of {args.prompt}-token prompts, {args.new_tokens} new "
-              "tokens at temperature 1 (no stop); prefill = a 1-token generate; decode = the rest.")
+              f"tokens at temperature 1 (no stop); prefill = a 1-token generate (median of {args.repeat}); decode = "
+              "the rest of one generate.")
     if device.type == "cuda":
         s += (" Ours multiplies the routed experts by " + ("bf16 copies made once per optimizer step (kernels/moe.CastCache)"
               if moe_kernels.CAST_CACHE else "their bf16 casts made in every forward and recompute (--no-cast-cache)") + ".")
