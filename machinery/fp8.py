@@ -323,20 +323,20 @@ def _gemm_kernel(X, XS, W, WS, BIAS, Y, TILES, M, N, K, sxm, sxk, ssm, ssk, swe,
         m1 = tl.load(TILES + 2 * tl.num_programs(0) + t)  # <= m0 for a tile past the last expert's: nothing to do
         W += e * swe
         WS += e * swse
+        k_end = tl.where(m0 < m1, K, 0)  # an empty tile runs no step (and stores nothing: no row is in it)
     else:
         m0 = tl.program_id(0) * BM
         m1 = M
+        k_end = K
     offs_m = m0 + tl.arange(0, BM)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     mmask = offs_m < m1
     nmask = offs_n < N
-    if GROUPED:
-        nmask = nmask & (offs_n * 0 + m0 < m1)  # an empty tile reads no weights
     if SWAP:
         acc = tl.zeros([BN, BM], tl.float32)
     else:
         acc = tl.zeros([BM, BN], tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(0, k_end, BK):
         offs_k = k0 + tl.arange(0, BK)
         kmask = offs_k < K
         x = tl.load(X + offs_m[:, None] * sxm + offs_k[None, :] * sxk, mask=mmask[:, None] & kmask[None, :],
