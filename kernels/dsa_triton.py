@@ -48,10 +48,13 @@ Sparse attention backward (deterministic, no atomics):
   its own; passes A+B read k and v once (4*D bytes in bf16) and write and read back one fp32 row each
   for dK and dV (16*D), about 3x less traffic, at the price of the buffer and a sort per chunk.
 
-Sampler: one program per row streams the vocabulary twice in blocks of SAMPLE_BLOCK: first the log-sum-exp
-of logits / T (online max and sum, and whether all are finite), then logp, the Gumbel noise hashed from the
-row's key and each token id (engine._mix32, in int64 as there), and the running argmax of logp + noise,
-first index among equals.
+Sampler: a row's vocabulary in slices of at least SAMPLE_SLICE ids (as many as bring B x slices to
+SAMPLE_PROGRAMS: one program streaming a whole row of ~150k logits took 200-236 us a call on an H200 at 16-256
+rows, the fifth GPU run's profiles), each slice streamed twice in blocks of SAMPLE_BLOCK by its own program:
+first the slice's log-sum-exp of logits / T (online max and sum, and whether all are finite); then, with the
+row's log-sum-exp combined from its slices in a fixed order, logp, the Gumbel noise hashed from the row's key
+and each token id (engine._mix32, in int64 as there), and the slice's running argmax of logp + noise; a last
+launch takes the row's best slice. First index among equals throughout.
 Numerics: fp32 inputs use full-precision fp32 matmuls (input_precision="ieee"); bf16/fp16 inputs use
 tensor-core matmuls with fp32 accumulation, the softmax probabilities (and dS) rounded to the input
 dtype before their matmul with V (K, Q, dO), as fused attention kernels do.
@@ -393,52 +396,75 @@ def _attn_bwd_reduce_kernel(PERM, LO, HI, DKP, DVP, DK, DV, key0, nkeys, Hkv, D,
     tl.store(DV + out, tl.load(DV + out, mask=has, other=0.0) + acc_v, mask=has)
 
 
-def _sample_kernel(X, KEYS, TOK, LP, NV, sxb, sxv, temperature, BV: tl.constexpr):
-    # One program per row. Pass 1: the row's log-sum-exp of x / T (online max and sum) and whether every
-    # logit is finite (if not, the row is taken as all zeros, as engine.sample_tokens does). Pass 2: the
-    # hashed Gumbel noise of every token id and the argmax of logp + g (the first index among equals).
+def _sample_kernel(X, KEYS, PM, PS, PB, PTOP, PAT, TOK, LP, NV, per, sxb, sxv, temperature,
+                   NSPLIT: tl.constexpr, SP: tl.constexpr, PHASE: tl.constexpr, BV: tl.constexpr):
+    # Three launches over a row's vocabulary cut into NSPLIT slices of `per` ids (one slice per program: a row's
+    # ~150k logits are too many for one program to stream, at decode's few rows). Phase 1 (B x NSPLIT): each slice's
+    # log-sum-exp of x / T (online max m_i and sum s_i) and its count of non-finite logits. Phase 2 (B x NSPLIT): the
+    # row's log-sum-exp from its partials, then the slice's hashed Gumbel noise of every token id and the argmax of
+    # logp + g (the first index among equals). Phase 3 (B): the best slice (the first among equals), its token and
+    # logprob. A row with a non-finite logit is taken as all zeros, as engine.sample_tokens does.
     row = tl.program_id(0).to(tl.int64)
+    sp = tl.program_id(1)
     base = X + row * sxb
-    key = tl.load(KEYS + row)
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], tl.float32)
-    bad = tl.zeros([], tl.int32)
-    for v0 in range(0, NV, BV):
-        offs = v0 + tl.arange(0, BV)
-        ok = offs < NV
-        x = tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32)
-        fin = (x == x) & (tl.abs(x) != float("inf"))
-        bad += tl.sum((ok & ~fin).to(tl.int32), 0)
-        y = tl.where(ok & fin, tl.math.div_rn(x, temperature), float("-inf"))  # IEEE division, as PyTorch
-        m_new = tl.maximum(m, tl.max(y, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), 0)
-        m = m_new
-    finite = bad == 0
-    m = tl.where(finite, m, 0.0)
-    log_s = tl.log(tl.where(finite, s, NV.to(tl.float32)))
-    best = tl.full([], float("-inf"), tl.float32)
-    tok = tl.zeros([], tl.int64)
-    for v0 in range(0, NV, BV):
-        offs = v0 + tl.arange(0, BV)
-        ok = offs < NV
-        x = tl.where(finite, tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32), 0.0)
-        logp = (tl.math.div_rn(x, temperature) - m) - log_s
-        h = offs.to(tl.int64)  # engine._mix32 twice, in int64 as there: of the token id, then of it ^ key
-        for r in tl.static_range(2):
-            h = (((h >> 16) ^ h) * 0x45D9F3B) & 0xFFFFFFFF
-            h = (((h >> 16) ^ h) * 0x45D9F3B) & 0xFFFFFFFF
-            h = (h >> 16) ^ h
-            if r == 0:
-                h = h ^ key
-        u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # (0, 1) from 23 bits, as engine.py: 2^-23
-        score = tl.where(ok, logp - tl.log(-tl.log(u)), float("-inf"))
-        top = tl.max(score, 0)
-        at = v0 + tl.argmax(score, 0).to(tl.int64)
-        tok = tl.where(top > best, at, tok)
-        best = tl.maximum(best, top)
-    x = tl.load(base + tok * sxv).to(tl.float32)
-    tl.store(TOK + row, tok)
-    tl.store(LP + row, tl.where(finite, (tl.math.div_rn(x, temperature) - m) - log_s, float("nan")))
+    lo = sp * per
+    hi = tl.minimum(lo + per, NV)
+    if PHASE == 1:
+        m = tl.full([], float("-inf"), tl.float32)
+        s = tl.zeros([], tl.float32)
+        bad = tl.zeros([], tl.int32)
+        for v0 in range(lo, hi, BV):
+            offs = v0 + tl.arange(0, BV)
+            ok = offs < hi
+            x = tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32)
+            fin = (x == x) & (tl.abs(x) != float("inf"))
+            bad += tl.sum((ok & ~fin).to(tl.int32), 0)
+            y = tl.where(ok & fin, tl.math.div_rn(x, temperature), float("-inf"))  # IEEE division, as PyTorch
+            m_new = tl.maximum(m, tl.max(y, 0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), 0)
+            m = m_new
+        tl.store(PM + row * NSPLIT + sp, m)
+        tl.store(PS + row * NSPLIT + sp, s)
+        tl.store(PB + row * NSPLIT + sp, bad)
+    else:  # the row's log-sum-exp from its NSPLIT partials, in one fixed order (phases 2 and 3 get the same bits)
+        parts = tl.arange(0, SP)
+        pok = parts < NSPLIT
+        pm = tl.load(PM + row * NSPLIT + parts, mask=pok, other=float("-inf"))
+        finite = tl.sum(tl.load(PB + row * NSPLIT + parts, mask=pok, other=0), 0) == 0
+        m = tl.max(pm, 0)
+        s = tl.sum(tl.load(PS + row * NSPLIT + parts, mask=pok, other=0.0) * tl.exp(pm - m), 0)
+        m = tl.where(finite, m, 0.0)
+        log_s = tl.log(tl.where(finite, s, NV.to(tl.float32)))
+        if PHASE == 2:
+            key = tl.load(KEYS + row)
+            best = tl.full([], float("-inf"), tl.float32)
+            tok = tl.zeros([], tl.int64)
+            for v0 in range(lo, hi, BV):
+                offs = v0 + tl.arange(0, BV)
+                ok = offs < hi
+                x = tl.where(finite, tl.load(base + offs * sxv, mask=ok, other=0.0).to(tl.float32), 0.0)
+                logp = (tl.math.div_rn(x, temperature) - m) - log_s
+                h = offs.to(tl.int64)  # engine._mix32 twice, in int64 as there: of the token id, then of it ^ key
+                for r in tl.static_range(2):
+                    h = (((h >> 16) ^ h) * 0x45D9F3B) & 0xFFFFFFFF
+                    h = (((h >> 16) ^ h) * 0x45D9F3B) & 0xFFFFFFFF
+                    h = (h >> 16) ^ h
+                    if r == 0:
+                        h = h ^ key
+                u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # (0, 1) from 23 bits, as engine.py: 2^-23
+                score = tl.where(ok, logp - tl.log(-tl.log(u)), float("-inf"))
+                top = tl.max(score, 0)
+                at = v0 + tl.argmax(score, 0).to(tl.int64)
+                tok = tl.where(top > best, at, tok)
+                best = tl.maximum(best, top)
+            tl.store(PTOP + row * NSPLIT + sp, best)
+            tl.store(PAT + row * NSPLIT + sp, tok)
+        else:
+            tops = tl.load(PTOP + row * NSPLIT + parts, mask=pok, other=float("-inf"))
+            tok = tl.load(PAT + row * NSPLIT + tl.argmax(tops, 0))  # (tl.argmax: the first among equals)
+            x = tl.load(base + tok * sxv).to(tl.float32)
+            tl.store(TOK + row, tok)
+            tl.store(LP + row, tl.where(finite, (tl.math.div_rn(x, temperature) - m) - log_s, float("nan")))
 
 
 _KERNEL_FNS = dict(scores=_index_scores_kernel, fwd=_attn_fwd_kernel, combine=_attn_combine_kernel,
@@ -685,21 +711,33 @@ class SparseAttention(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------- sampling
 
 SAMPLE_BLOCK = 4096  # vocabulary entries per step of the sampling kernel
+SAMPLE_SLICE = 8192  # the fewest vocabulary entries of a slice (one program's share of a row)
+SAMPLE_PROGRAMS = 1024  # slices are cut until B x slices reaches this (or a slice is SAMPLE_SLICE ids)
 
 
 def sample(logits, temperature, keys):
     """engine.sample_tokens for temperature > 0 without top-p, fused: logits [B, V] (any float dtype and
     strides), keys [B] int64 (engine.sample_keys) -> tokens [B] int64, logprobs [B] fp32 (NaN for a row
-    with a non-finite logit). Reads the logits twice and writes nothing else, where the PyTorch path makes
-    about 20 passes over [B, V] (int64 hashes among them)."""
+    with a non-finite logit). Reads the logits twice and writes nothing else but five numbers per slice of a row (the
+    kernel's comment), where the PyTorch path makes about 20 passes over [B, V] (int64 hashes among them). The slices
+    depend on B and V only (never on the GPU), so a row's bits do not depend on the device model."""
     B, V = logits.shape
     tok = torch.empty(B, dtype=torch.int64, device=logits.device)
     lp = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B:
+        BV = min(SAMPLE_BLOCK, _p2(V))
+        n = max(1, min(-(-SAMPLE_PROGRAMS // B), V // SAMPLE_SLICE))
+        per = -(-(-(-V // n)) // BV) * BV  # whole blocks per slice
+        n = -(-V // per)
+        dev, f32 = logits.device, torch.float32
+        pm, ps, ptop = (torch.empty(B, n, dtype=f32, device=dev) for _ in range(3))
+        pb, pat = torch.empty(B, n, dtype=torch.int32, device=dev), torch.empty(B, n, dtype=torch.int64, device=dev)
+        args = (logits, keys.to(torch.int64).contiguous(), pm, ps, pb, ptop, pat, tok, lp, V, per, *logits.stride(),
+                float(temperature))
         with _on(logits):
-            _kernels()["sample"][(B,)](logits, keys.to(torch.int64).contiguous(), tok, lp, V, *logits.stride(),
-                                       float(temperature), BV=min(SAMPLE_BLOCK, _p2(V)),
-                                       **_launch_opts(_interpret(), 8, 1))
+            for phase, grid in ((1, (B, n)), (2, (B, n)), (3, (B, 1))):
+                _kernels()["sample"][grid](*args, NSPLIT=n, SP=_p2(n, 2), PHASE=phase, BV=BV,
+                                           **_launch_opts(_interpret(), 8, 1))
     return tok, lp
 
 

@@ -417,6 +417,7 @@ def memory_plan(cfg: GLMConfig, *, learner_gpus: int, parallel: str, micro_batch
                 forward += R * S * (2 * cfg.kv_width + 4 * H * 2)
             forward += _fp8_input_bytes(cfg, R) if fp8 else 0
             return forward, 4 * R * V * 4 + (0 if dsa_kernels else 3 * R * V * 8)  # the fused sampler hashes on chip
+            # (its per-slice partials, 24 bytes per dsa_triton.SAMPLE_SLICE logits at most, are within the first term)
         forward, sampling = decode(B, S)
         steps = [(f"prefill of {M} packed tokens", prefill)]
         rows = B * (S // BLOCK_SIZE + 1) * 8 + B * max_new_tokens * (8 + 4) + B * S * (8 + 1)

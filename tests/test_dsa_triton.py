@@ -418,14 +418,15 @@ unit_strides = {"sqd", "skd", "svd", "sik", "svlk", "swh", "sss", "sxv"}
 ptr = dict(IDX="*i64", VALID="*u8", SLOT="*i64", W="*fp32", S="*fp32", LSE="*fp32", DELTA="*fp32", P="*fp32",
            PM="*fp32", PL="*fp32", PACC="*fp32", DQP="*fp32", DKP="*fp32", DVP="*fp32", DK="*fp32", DV="*fp32",
            PERM="*i64", LO="*i64", HI="*i64", Q="*bf16", Kx="*bf16", V="*bf16", O="*bf16", DO="*bf16",
-           X="*bf16", KEYS="*i64", TOK="*i64", LP="*fp32")
+           X="*bf16", KEYS="*i64", TOK="*i64", LP="*fp32", PS="*fp32", PB="*i32", PTOP="*fp32", PAT="*i64")
 common = dict(UPCAST=False, PREC="tf32")
 attn = dict(GP=16, DP=128, BK=64, **common)
 cases = [("scores", dict(BT=4, HP=32, BS=128, BD=128, CAUSAL=True, **common), 8, 2),
          ("fwd", dict(SPLIT=False, **attn), 4, 2), ("fwd", dict(SPLIT=True, **attn), 4, 2),
          ("combine", dict(SP=8, DP=128), 4, 1), ("probs", attn, 4, 2),
          ("bwd_query", dict(STORE_DQ=True, STORE_KV=True, **attn), 8, 2),
-         ("bwd_reduce", dict(KB=16, DP=128), 4, 1), ("sample", dict(BV=4096), 8, 1)]
+         ("bwd_reduce", dict(KB=16, DP=128), 4, 1)]
+cases += [("sample", dict(BV=4096, NSPLIT=4, SP=4, PHASE=phase), 8, 1) for phase in (1, 2, 3)]
 for name, consts, warps, stages in cases:
     fn = JITFunction(dsa_triton._KERNEL_FNS[name])
     consts = {**consts, **{a: 1 for a in fn.arg_names if a in unit_strides}}
@@ -488,14 +489,16 @@ def test_the_model_runs_the_kernels_and_matches_pytorch(monkeypatch):
 
 # ----------------------------------------------------------------------------------------------- sampling
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sample_is_engine_sample_tokens(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,slice_", [(torch.float32, 8192), (torch.bfloat16, 64)])
+def test_sample_is_engine_sample_tokens(monkeypatch, dtype, slice_):
     """The fused sampler against engine.sample_tokens' PyTorch path (the specification) on the same logits:
     the same tokens (same hashed noise, same argmax) and logprobs within 1e-6, over several vocabulary
-    blocks and a partial one, three temperatures, a [B, 1, V] view's strides, and rows with an inf or a
-    NaN logit (uniform draw, logprob NaN). A wrong noise key would change most tokens."""
+    blocks and a partial one, a row's vocabulary in one slice (fp32) or in 3 (bf16, as a GPU's logits: two
+    blocks, two, one partial), three temperatures, a [B, 1, V] view's strides, and rows with an inf or a NaN
+    logit (uniform draw, logprob NaN). A wrong noise key would change most tokens."""
     from machinery import engine
     monkeypatch.setattr(dsa_triton, "SAMPLE_BLOCK", 64)
+    monkeypatch.setattr(dsa_triton, "SAMPLE_SLICE", slice_)
     torch.manual_seed(0)
     B, V = 12, 300
     logits = (torch.randn(B, 1, V) * 3).to(dtype)[:, -1]  # strides (V, 1) of a decode step's last position
