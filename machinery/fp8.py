@@ -364,12 +364,11 @@ def _gemm_kernel(X, XS, W, WS, BIAS, Y, TILES, M, N, K, sxm, sxk, ssm, ssk, swe,
 @functools.lru_cache(maxsize=None)
 def _compiled(interpret: bool):
     # triton.jit decides between compiled and interpreted kernels when it decorates: one per mode (as dsa_triton)
-    global triton, tl
+    global triton, tl, _quantize_rows
     import triton as triton_
     import triton.language as tl_
-    global _quantize_rows  # the kernels' helper, a jitted function of the same mode (one mode per process)
     triton, tl = triton_, tl_  # the kernels' global `tl`, resolved when they compile
-    _quantize_rows = triton.jit(_quantize_rows_fn)
+    _quantize_rows = triton.jit(_quantize_rows_fn)  # their helper, jitted in the same mode (one mode per process)
     return triton.jit(_gemm_kernel), triton.jit(_quant_kernel)
 
 
