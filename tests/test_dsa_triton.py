@@ -521,6 +521,34 @@ def test_sample_is_engine_sample_tokens(monkeypatch, dtype, slice_):
     assert not calls
 
 
+def sample_against_pytorch(B, V, device, monkeypatch):
+    """dsa_triton.sample and engine.sample_tokens' PyTorch path on the same bf16 logits [B, V] on device -> (rows whose
+    tokens differ, rows whose best two scores are within 1e-4 in float64 on the CPU: near ties that the two paths' exp
+    and log may order either way, max |logprob difference|)."""
+    from machinery import engine, sampler
+    g = torch.Generator().manual_seed(B)
+    logits = (torch.randn(B, V, generator=g) * 4).to(torch.bfloat16)
+    keys = engine.sample_keys(torch.arange(B) * 7919 % 2**32, torch.full((B,), 5))
+    tok, lp = dsa_triton.sample(logits.to(device), 1.0, keys.to(device))
+    monkeypatch.setattr(dsa, "USE_TRITON", False)
+    ref_tok, ref_lp = engine.sample_tokens(logits.to(device), engine.SamplingParams(temperature=1.0), keys.to(device))
+    monkeypatch.setattr(dsa, "USE_TRITON", True)
+    u = ((sampler._mix32(keys[:, None] ^ sampler._vocab_hash(V, "cpu")[None]) >> 9).double() + 0.5) * 2.0 ** -23
+    top2 = (logits.double().log_softmax(-1) - u.log().neg().log()).topk(2, -1).values  # [B, 2]
+    near = set(torch.nonzero(top2[:, 0] - top2[:, 1] < 1e-4)[:, 0].tolist())
+    differ = set(torch.nonzero(tok.cpu() != ref_tok.cpu())[:, 0].tolist())
+    return differ, near, (lp.cpu() - ref_lp.cpu()).abs().max().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_sample_at_glms_vocabulary_is_the_pytorch_paths(monkeypatch):
+    """On a GPU at GLM's vocabulary (151,552 ids), bf16 logits, 64 and 256 rows (13 and 4 slices a row): the fused
+    sampler draws the PyTorch path's tokens but at near ties, with logprobs within 1e-4."""
+    for B in (64, 256):
+        differ, near, lp_err = sample_against_pytorch(B, 151552, "cuda", monkeypatch)
+        assert differ <= near and lp_err < 1e-4, (B, differ - near, lp_err)
+
+
 def test_sample_noise_is_finite_at_glms_vocabulary(monkeypatch):
     """The kernel on the key and token of test_engine's finite-noise test (a hash with its top 24 bits set):
     the token with logit -60 is not drawn, and the draw is the PyTorch path's."""
