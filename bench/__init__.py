@@ -16,7 +16,6 @@ def write_results(args, result, md):
             f.write(md + "\n")
 
 
-
 def profile_to(path, fn, rows=40):
     """Run fn() once under torch.profiler and write its ops, most device time first (CUDA where there is one, else CPU),
     to path: where a step's time goes, for a GPU session that has minutes to find out. Returns fn()'s result."""
@@ -32,6 +31,7 @@ def profile_to(path, fn, rows=40):
     with open(path, "w") as f:
         f.write(table + "\n")
     return out
+
 
 # ----------------------------------------------------------------------------- demos: whole runs, one at a time
 # (bench/distill.py, bench/moe_demo.py)

@@ -350,8 +350,8 @@ def mtp_rows(engine, hidden, next_ids, pos, keys=None, valid=None):
     row, the pool's prefill state (slots, copies, groups) set by the engine (engine._pack), its last output only."""
     m, pool = engine.model, engine.pool
     layer = m.mtp[str(m.cfg.num_layers)]
-    embed = mtp.embed_and_head(m, layer)[0]
     if keys is None:
+        embed = mtp.embed_and_head(m, layer)[0]
         return layer.body(embed, hidden[None], next_ids[None], pos[None], cache=pool, keep=slice(-1, None))[0]
     return mtp_decode(m, pool, hidden, next_ids[:, None], pos[:, None], keys, valid)
 

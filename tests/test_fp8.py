@@ -224,8 +224,8 @@ def interpreter(monkeypatch):
 @pytest.mark.parametrize("M,N,K", [(5, 200, 300), (1, 16, 32), (33, 64, 128), (70, 130, 256)])
 def test_triton_kernel_in_the_interpreter(interpreter, dtype, M, N, K):
     """The kernel (tiles of 16-128 rows, 64-128 columns, ragged M, N and K, several K blocks) against the
-    float64 reference. Covered here: the masks, the on-chip activation quantization, the per-block scales and
-    fp32 accumulation, the bias. Not covered: the GPU's own fp32 -> e4m3 conversion (the interpreter's
+    float64 reference, in x's dtype (bf16: the engine's), "fused" and the two other modes. Covered here: the
+    masks, the activation quantization, the per-block scales and fp32 accumulation, the bias. Not covered: the GPU's own fp32 -> e4m3 conversion (the interpreter's
     misrounds, so under it the kernel rounds on the e4m3 grid first and the cast is exact) and fp8 tensor cores
     (see test_kernel_compiles_for_h100 and the CUDA test)."""
     w, q, s, b = quantized(N, K, seed=M + N + K)
@@ -238,6 +238,9 @@ def test_triton_kernel_in_the_interpreter(interpreter, dtype, M, N, K):
     check(fp8.triton_linear(x[None], q, s), ref_linear(x[None], w), tol, what="3-d input, no bias")
     xt = x.T.contiguous().T  # strided rows
     assert torch.equal(fp8.triton_linear(xt, q, s, b.to(dtype)), y)
+    for mode in ("pre", "swap"):  # the other modes on the same tiles: x quantized in its own launch (strided too)
+        tiles = (*fp8._tiles(M)[:4], mode)
+        check(fp8.triton_linear(xt, q, s, b.to(dtype), tiles=tiles), ref_linear(x, w, b.to(dtype)), tol, what=mode)
 
 
 def test_fp8_linear_runs_the_kernel_under_the_interpreter(interpreter, monkeypatch):

@@ -596,7 +596,6 @@ def test_expert_weights_cast_once_per_step_across_forwards_and_recomputes():
     assert all(e.casts.casts == 0 for e in experts_of(plain) + experts_of(bf16))
 
 
-
 def test_the_residual_stream_stays_bf16_under_cudas_autocast_policy():
     """CUDA's autocast runs sum (and softmax, exp, ...) in fp32 and returns fp32, where the CPU's returns bf16: the
     experts' sum over k came back fp32 on an H200, the residual stream turned fp32 from the first MoE layer on and
@@ -621,6 +620,7 @@ def test_the_residual_stream_stays_bf16_under_cudas_autocast_policy():
     assert seen and all(d == torch.bfloat16 for d in seen), seen
     assert [e.casts.casts for e in experts_of(m)] == [2, 2]
     torch.testing.assert_close(cuda_like.float(), plain.float(), rtol=0, atol=0)
+
 
 def test_frozen_expert_weights_are_cast_once_for_good():
     """LoRA's way (frozen experts, no optimizer holds them) with fp32 weights under autocast: their copies are made
