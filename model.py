@@ -263,8 +263,8 @@ class Attention(nn.Module):
         B, T = q.shape[:2]
         p, outs, chosen, kl = mask.packed, [], [], None
         for i, (src, m) in enumerate(p.groups):
-            group = [Packed.take(t, src) for t in (q, k, v)]
-            out, sel, kl_i = self.attend(*group, index and tuple(Packed.take(t, src) for t in index), m,
+            group = [p.take(t, i) for t in (q, k, v)]
+            out, sel, kl_i = self.attend(*group, index and tuple(p.take(t, i) for t in index), m,
                                          selected and selected[i], indexer_loss)
             outs.append(out)
             chosen.append(sel)
@@ -653,6 +653,11 @@ class Packed:
     groups: list[tuple[torch.Tensor, AttnMask]]  # (src [n, L]: each slot's token in the flattened rows, causal mask)
     back: torch.Tensor  # [B*T]: where each token of the rows sits in the groups' outputs, concatenated
     share: list[float]  # each group's fraction of the tokens (to average the indexer KL over all of them)
+    # Each group's first token in the flattened rows where its sequences lie there end to end, all of length L (a
+    # long sequence alone, a prefill of equal prompts), else None: take is then a view, no gather; and whether back
+    # is the identity (groups in the rows' order, nothing padded: put_back needs no gather either)
+    runs: list[int | None]
+    in_order: bool
 
     @classmethod
     def of(cls, position_ids, device=None):
@@ -666,12 +671,14 @@ class Packed:
         lengths = torch.diff(starts, append=torch.tensor([N]))
         n_of = lengths.tolist()  # the lengths as Python ints: the grouping below is host bookkeeping
         order = sorted(range(len(starts)), key=lambda i: -n_of[i])  # longest first, ties by position
-        groups, back, share, offset, i = [], torch.empty(N, dtype=torch.long), [], 0, 0
+        groups, back, share, runs, offset, i = [], torch.empty(N, dtype=torch.long), [], [], 0, 0
         while i < len(order):
             L, j = n_of[order[i]], i + 1
             while j < len(order) and n_of[order[j]] >= GROUP_RATIO * L:
                 j += 1
             st, ln = starts[order[i:j]], lengths[order[i:j]]  # [n]
+            whole = bool((ln == L).all() and (st == st[0] + L * torch.arange(j - i)).all())
+            runs.append(int(st[0]) if whole else None)
             slot = torch.arange(L)
             src = st[:, None] + torch.minimum(slot, ln[:, None] - 1)  # [n, L]: padding repeats the last token
             real = slot < ln[:, None]  # [n, L]
@@ -679,16 +686,20 @@ class Packed:
             groups.append((to_device(src, device), AttnMask(torch.arange(L, device=device), L, real=to_device(real, device))))
             share.append(int(ln.sum()) / N)
             offset, i = offset + real.numel(), j
-        return cls(groups, to_device(back, device), share)
+        in_order = offset == N and bool(torch.equal(back, torch.arange(N)))  # (offset: the groups' slots, padding too)
+        return cls(groups, to_device(back, device), share, runs, in_order)
 
-    @staticmethod
-    def take(t, src):
-        """t [B, T, ...] (packed rows) -> [n, L, ...] (a group's sequences, right-padded)."""
+    def take(self, t, i):
+        """t [B, T, ...] (packed rows) -> [n, L, ...]: group i's sequences, right-padded."""
+        src, run = self.groups[i][0], self.runs[i]
+        if run is not None:
+            return t.flatten(0, 1)[run:run + src.numel()].unflatten(0, src.shape)
         return dsa.index_gather(t.flatten(0, 1), src)  # a deterministic backward
 
     def put_back(self, outs, shape):
         """The groups' outputs [n, L, ...] -> [B, T, ...] in the rows' order."""
-        return torch.cat([o.flatten(0, 1) for o in outs]).index_select(0, self.back).view(*shape, *outs[0].shape[2:])
+        flat = torch.cat([o.flatten(0, 1) for o in outs]) if len(outs) > 1 else outs[0].flatten(0, 1)
+        return (flat if self.in_order else flat.index_select(0, self.back)).view(*shape, *outs[0].shape[2:])
 
 
 def to_device(data, device, dtype=None):

@@ -476,7 +476,8 @@ def flash_engine(gen, hf, arch, device, args):
                     sync(device)
                     assert out.shape[1] == args.prompt + n
             else:
-                eng = TorchEngine(fp8_gen if kind.startswith("fp8") else gen, max_batch=B, graphs=kind.endswith("graphs"))
+                eng = TorchEngine(fp8_gen if kind.startswith("fp8") else gen, max_batch=B, graphs=kind.endswith("graphs"),
+                                  prefill_tokens=args.prefill_tokens)
 
                 def gen_n(n, eng=eng):
                     out = eng.generate(prompts, dataclasses.replace(sampling, max_new_tokens=n), seed=0)
@@ -630,8 +631,9 @@ def setting(args, device):
               "wall-clock s.")
     if "flash" in args.shapes:
         s += (f" Generation on flash: {args.gen_batch} rows of {args.prompt}-token prompts, {args.new_tokens} new "
-              f"tokens at temperature 1 (no stop); prefill = a 1-token generate (median of {args.repeat}); decode = "
-              "the rest of one generate.")
+              f"tokens at temperature 1 (no stop); prefill = a 1-token generate (median of {args.repeat}; ours packs at "
+              f"most {args.prefill_tokens} tokens a forward, what configs/glm47flash_math.yaml's memory plan counts); "
+              "decode = the rest of one generate.")
     if device.type == "cuda":
         s += (" Ours multiplies the routed experts by " + ("bf16 copies made once per optimizer step (kernels/moe.CastCache)"
               if moe_kernels.CAST_CACHE else "their bf16 casts made in every forward and recompute (--no-cast-cache)") + ".")
@@ -657,6 +659,8 @@ def main(argv=None):
                     "(default: all at once; flash on CUDA 4)")
     ap.add_argument("--gen-batch", default=None, help="flash: generation rows, comma-separated (default 64,256)")
     ap.add_argument("--new-tokens", type=int, default=None, help="flash: new tokens per row (default 128)")
+    ap.add_argument("--prefill-tokens", type=int, default=None, help="flash: tokens one prefill forward of ours packs "
+                    "(default config.prefill_budget of configs/glm47flash_math.yaml: what its memory plan counts)")
     ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", default=None,
                     help="flash: no gradient checkpointing (default on there, off on tiny / wide, as their configs)")
     ap.add_argument("--no-hf", action="store_true", help="ours only (no transformers side)")
@@ -694,6 +698,8 @@ def main(argv=None):
         args.prompt = 6
         args.gen_batch, args.new_tokens = args.gen_batch or "2,4", args.new_tokens or 4
     args.gen_batch, args.new_tokens = args.gen_batch or "64,256", args.new_tokens or 128
+    args.prefill_tokens = args.prefill_tokens or config.prefill_budget(
+        config.load_config(os.path.join(ROOT, "configs", "glm47flash_math.yaml"), []))
     if quick:
         args.batch = min(args.batch, 4)
     if args.samples % 8:

@@ -183,7 +183,8 @@ def main():
         gen_model = GLM(arch).cast_(gen_dtype)  # as engine.make_engine: dsa.FP32_PARAMS stay fp32
         if args.fp8:
             fp8.quantize_model_(gen_model)  # as make_engine with rollout.quantization: fp8
-    engine = TorchEngine(gen_model.to_empty(device=device), max_batch=max(batches), graphs=device.type == "cuda")
+    engine = TorchEngine(gen_model.to_empty(device=device), max_batch=max(batches), graphs=device.type == "cuda",
+                         prefill_tokens=config.prefill_budget(cfg))  # (what the recipe's memory plan counts: make_engine's)
     quantization = "fp8" if args.fp8 else None
     engine.update_weights(parallel.full_weights(learner, gen_dtype, quantization), 0)  # fills the empty copy (and warms up)
     publish_s = []

@@ -22,7 +22,7 @@ import grpo
 from machinery import ConfigError, hub
 from machinery import lora
 from grpo import GRPOConfig
-from machinery.memory import GiB, memory_plan
+from machinery.memory import GiB, PREFILL_TOKENS, memory_plan
 from model import GLMConfig
 
 H100_BYTES = 80 * 10**9  # what --dry-run plans for: 80 GB = 74.5 GiB (an H100 SXM reports 79.6 GiB: the rest is margin)
@@ -567,6 +567,13 @@ def response_budget(cfg: Config, eval=None) -> int:
     return r.max_total_tokens or (cfg.train.eval_max_new_tokens if eval else r.max_new_tokens)
 
 
+def prefill_budget(cfg: Config) -> int:
+    """The most tokens one prefill forward of the torch engine packs: the memory plan counts a prefill of the longest
+    sequence (rollout.max_prompt_tokens + the longest response) or of PREFILL_TOKENS, the larger, so the engine packs
+    that many (17,408 for the GPU recipes: a wave of 256-token prompts in forwards of 68 prompts, not 16)."""
+    return max(PREFILL_TOKENS, cfg.rollout.max_prompt_tokens + response_budget(cfg))
+
+
 def sources(cfg: Config) -> dict:
     """{config key: data spec} of the files a run reads: data.train and each eval set (data.eval.<set>)."""
     return {"data.train": cfg.data.train} | {f"data.eval.{n}": data.spec_path(s) for n, s in eval_sets(cfg).items()}
@@ -709,6 +716,7 @@ def plan_memory(cfg: Config, processes, shared=False, offload=True):
                        trainable_indexer=t.dsa_warmup_steps > 0 or t.sft_steps > 0,
                        reference=g.kl_coef > 0 or g.kl_guard, generator_batch=r.max_batch,
                        kv_cache_tokens=r.kv_cache_tokens, cuda_graphs=r.cuda_graphs, group_size=max(r.n, t.eval_n),
+                       prefill_tokens=prefill_budget(cfg),
                        generator_max_len=r.max_prompt_tokens + response_budget(cfg),
                        max_new_tokens=max(r.max_new_tokens, t.eval_max_new_tokens), engine=r.engine,
                        sglang_mem_fraction=r.sglang_mem_fraction, logit_chunk=LOGIT_CHUNK, logit_keep=LOGIT_KEEP_BYTES,

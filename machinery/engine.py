@@ -14,9 +14,9 @@ blocks of the model.PagedKVCache pool, parked KV); this file runs the model, the
   admitted   when a row is free and the pool has blocks for its context, within the prefill budget
              (Scheduler.admit, whose docstring has every rule): it takes its blocks and a row
   prefill    _prefill: the admitted fresh contexts packed into one forward (_pack; a prompt's n samples
-             run their shared context once), each one's first token sampled; its row joins _Rows. Admission
-             and prefill repeat while requests fit, so a wave of them prefills in forwards of at most
-             PREFILL_TOKENS back to back, with one device read after them all
+             run their shared context once). Admission and prefill repeat while requests fit, so a wave of
+             them prefills in forwards of at most prefill_tokens back to back; then each one's first token is
+             sampled, all at once, and its row joins _Rows; one device read after them all
   decode     _decode, each iteration: one token for every running row at once (eager, or a CUDA graph of
              a padded bucket: graphs.py; or, in a call that speculates, k drafts verified in one forward:
              speculative.py), after a new block for each row whose next token starts one (Scheduler.grow)
@@ -94,7 +94,8 @@ class TorchEngine:
     and a finished row's tokens travel in bulk, landing by the next iteration's read. graphs=True: the decode forward runs
     as a CUDA graph of a padded bucket (graphs.DecodeGraphs); speculative (speculative.py): k drafts verified per forward
     (with graphs, that forward and the MTP draft step too: DecodeGraphs.verify and .draft), in the calls it chooses
-    (decided in _open: the whole call speculates, or the whole call runs the plain path).
+    (decided in _open: the whole call speculates, or the whole call runs the plain path). prefill_tokens: the most
+    tokens one prefill forward packs (None: scheduler.PREFILL_TOKENS; make_engine gives what the memory plan counts).
 
     Sampling is per request (sample_tokens: noise from a hash of the request's seed and step), so a fixed
     seed gives the same tokens whatever the batch, retraction or re-prefill. Calls take turns (`call_lock`):
@@ -108,9 +109,10 @@ class TorchEngine:
     its model: it is put in eval mode and frozen, so never hand it the learner's."""
 
     def __init__(self, model: GLM, max_batch: int = 64, kv_tokens: int | None = None, reprefill: bool = False,
-                 graphs: bool = False, speculative=None):
+                 graphs: bool = False, speculative=None, prefill_tokens: int | None = None):
         self.model = model.eval().requires_grad_(False)
         self.max_batch, self.kv_tokens, self.reprefill, self.use_graphs = max_batch, kv_tokens, reprefill, graphs
+        self.prefill_tokens = prefill_tokens
         # the Speculative (or None); the running call's when it speculates (else None: the plain path), and its drafts fed
         # per row past its next token (Scheduler's ahead)
         self.spec, self.call_spec, self.ahead = speculative, None, 0
@@ -286,7 +288,8 @@ class TorchEngine:
         on = self.spec.open(self.stats) if self.spec else False  # the whole call speculates, or none of it does
         self.call_spec, self.ahead = (self.spec, self.spec.k) if on else (None, 0)
         self.pool.free = list(range(self.pool.num_blocks - 1, -1, -1))
-        self.sched = Scheduler(self.pool.free, self.max_batch, sampling.stop_token_ids, self.stats, ahead=self.ahead)
+        self.sched = Scheduler(self.pool.free, self.max_batch, sampling.stop_token_ids, self.stats, ahead=self.ahead,
+                               prefill_tokens=self.prefill_tokens)
         dev, B, W = self.device, self.max_batch, max(1, width) + self.ahead
         # Token buffers [max_batch, W]: a row's j-th token since admission at out_*[its buf, j] (+ k columns: speculative.py)
         self.out_tok = torch.zeros(B, W, dtype=torch.long, device=dev)
@@ -327,11 +330,9 @@ class TorchEngine:
                 self.sched.evict(len(self.sched.parked))  # and no turn extends KV of the old weights
                 self.kv_version = self.version
             self._grow()
-            new = self.sched.admit(self.version)
-            while new:  # packed forwards of at most PREFILL_TOKENS each, back to back: one device read for all of them
-                self._prefill(new)
-                new = self.sched.admit(self.version)
-            if self.sched.running:
+            new = self._prefill()
+            # (a wave whose every row ends with its first token, max_new 1, needs no decode step)
+            if self.sched.running and not (len(new) == len(self.sched.running) and all(r.max_new - len(r.tokens) <= 1 for r in new)):
                 self.call_spec.step(self) if self.call_spec else self._decode()
         host = self._read()
         self.sched.pos = host[2]  # (a speculative step moves each row its own number of positions)
@@ -351,16 +352,30 @@ class TorchEngine:
             table = [r.blocks + [0] * (self.max_blocks - len(r.blocks)) for r in (self.sched.running[b] for b in need)]
             self.rows.table[to_device(need, self.device, torch.long)] = to_device(table, self.device, torch.long)
 
-    def _prefill(self, new):
-        """Prefill the admitted requests, in Scheduler.admit's order: fresh contexts as one packed row (_pack),
-        then turns that extend parked KV by their new tokens only (_extend); sample their first token, add their rows."""
-        self.stats["prefills"] += 1
-        fresh, ext = [r for r in new if not r.cached], [r for r in new if r.cached]
-        outs = ([self._pack(fresh)] if fresh else []) + ([self._extend(ext)] if ext else [])
-        logits = torch.cat([lg for lg, _ in outs])
-        if self.call_spec:  # the trunk's hidden whose logits these are: the drafter's first input (speculative.py)
-            self.call_spec.admitted(self, new, torch.cat([h for _, h in outs]))
+    def _prefill(self):
+        """Admit waiting requests while they fit (Scheduler.admit, in its order), each round prefilled by forwards back
+        to back (no device read between them: the host packs the next while the device runs the last): fresh contexts
+        as one packed row (_pack), then turns that extend parked KV by their new tokens only (_extend). Then the wave's
+        first tokens at once: one lm_head, one sampling; their rows join _Rows. -> the admitted requests."""
+        new, outs = [], []
+        while reqs := self.sched.admit(self.version):
+            self.stats["prefills"] += 1
+            fresh, ext = [r for r in reqs if not r.cached], [r for r in reqs if r.cached]
+            outs += ([self._pack(fresh)] if fresh else []) + ([self._extend(ext)] if ext else [])
+            new += reqs
+        if not new:
+            return new
         dev, n = self.device, len(new)
+        # each part's (h [m, hidden]: lm_head's inputs, pick [its requests]: each one's row of h, or None: one each)
+        rows, at = [], 0
+        for h, pick, _ in outs:
+            rows.append(at + (pick if pick is not None else torch.arange(len(h), device=dev)))
+            at += len(h)
+        with self.lock:
+            logits = self.model.lm_head(torch.cat([h for h, _, _ in outs]))[torch.cat(rows)]
+            self.step_version = self.version
+        if self.call_spec:  # the trunk's hidden whose logits these are: the drafter's first input (speculative.py)
+            self.call_spec.admitted(self, new, torch.cat([last for _, _, last in outs]))
         seeds, base, left, buf = to_device([[r.seed for r in new], [len(r.tokens) for r in new],
                                             [r.max_new - len(r.tokens) for r in new], [r.buf for r in new]], dev, torch.long)
         tok, lp = sample_tokens(logits, self.sampling, sample_keys(seeds, base))
@@ -370,11 +385,14 @@ class TorchEngine:
         pos = to_device([len(r.prompt) + len(r.tokens) for r in new], dev, torch.long)
         self.rows = self.rows.cat(_Rows(last=tok, pos=pos, ngen=ones, left=left, seeds=seeds, base=base, buf=buf,
                                         status=self._status(tok, lp, ones, left), table=to_device(table, dev)))
+        return new
 
     def _pack(self, new):
-        """Fresh contexts as one packed row -> logits [len(new), V] of each one's last token, and (speculative) the
-        trunk's hidden there [len(new), hidden] (else None). Each distinct context runs once (a prompt's n samples
-        share it); the pool gets its keys once per request (speculative: the drafter's too, Speculative.prefill)."""
+        """Fresh contexts as one packed row -> (h, pick, last): lm_head's input h [m, hidden] and each request's row of
+        it, pick [len(new)] (m: the distinct contexts' last tokens; speculative: h per request, pick None), and
+        (speculative) the trunk's hidden there [len(new), hidden] (else None). Each distinct context runs once (a
+        prompt's n samples share it); the pool gets its keys once per request (speculative: the drafter's too,
+        Speculative.prefill)."""
         ctxs = [r.prompt + r.tokens for r in new]
         first, uniq, copy, seen = {}, [], [], collections.Counter()
         for c in ctxs:
@@ -411,22 +429,21 @@ class TorchEngine:
                     trunk = self.model(ids[None], position_ids=pos[None], cache=self.pool, return_hidden="trunk")[0]
                     self.call_spec.prefill(self, trunk, ids.roll(-1), pos, ends=ends)  # (the token after each position)
                     last = trunk[ends][pick]
-                    logits = self.model.lm_head(self.model.norm(last))
+                    h, pick = self.model.norm(last), None
                 else:
-                    hidden = self.model(ids[None], position_ids=pos[None], cache=self.pool, return_hidden=True, keep=ends)
-                    logits = self.model.lm_head(hidden[0])[pick]
+                    h = self.model(ids[None], position_ids=pos[None], cache=self.pool, return_hidden=True, keep=ends)[0]
                 self.step_version = self.version
         finally:  # the next forward must not see this one's groups or copies
             self.pool.copies, self.pool.packed = [], None
-        return logits, last
+        return h, pick, last
 
     def _extend(self, reqs):
         """Turns that extend their trajectory's parked KV (a tool's answer after the model's call): only the
         new tokens run, as the rows of paged forwards, one row per new token whose keys are its context's
         slots up to itself, as in a decode step (Attention.paged_decode writes every row's keys before any row
         reads). DSA's indexer keys extend the same way, each row's top-k chosen among its own prefix in position
-        order, as the learner's forward chooses. -> logits [len(reqs), V] of each context's last token, and (speculative)
-        the trunk's hidden there, as _pack. At most max_batch rows per forward: none is larger than a decode step (the
+        order, as the learner's forward chooses. -> (h, None, last) as _pack's: lm_head's input at each context's last
+        token [len(reqs), hidden], and (speculative) the trunk's hidden there. At most max_batch rows per forward: none is larger than a decode step (the
         memory plan's)."""
         dev, L = self.device, max(len(r.prompt) + len(r.tokens) for r in reqs)
         tok = [t for r in reqs for t in (r.prompt + r.tokens)[r.cached:]]
@@ -449,9 +466,7 @@ class TorchEngine:
                 self.step_version = self.version
         with self.lock:
             last = torch.cat(hidden)[to_device(last, dev, torch.long)]
-            if self.call_spec:
-                return self.model.lm_head(self.model.norm(last)), last
-            return self.model.lm_head(last), None
+            return (self.model.norm(last), None, last) if self.call_spec else (last, None, None)
 
     def _status(self, tok, lp, ngen, left):  # [B]: 2 if the logits were not finite, 1 if done (length or stop), else 0
         done = (ngen >= left) | (torch.isin(tok, self.stop) if len(self.stop) else False)
@@ -547,12 +562,12 @@ class TorchEngine:
 
 # ----------------------------------------------------------------------------- the config's choice
 
-def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, empty=False, mtp=None):
+def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, empty=False, mtp=None, prefill_tokens=None):
     """The generator's engine (rollout.engine) on this process's generator device, holding a copy of
     model_dir. rollout: the config's rollout section; dsa: model.dsa; lora_cfg: model.lora (adapters on the
     engine's model too, decoded unmerged; the learner's publishes fill them). empty (co-located): no weights of
     its own until the learner's first publish fills them (with fp8 they load: quantizing needs them). mtp:
-    model.mtp_layers, as the learner loads them (None: the checkpoint's)."""
+    model.mtp_layers, as the learner loads them (None: the checkpoint's). prefill_tokens: TorchEngine's (config.prefill_budget)."""
     if rollout.engine == "sglang":  # SGLang missing, a CPU device or a DSA model: one line naming the problem
         return SGLangEngine(model_dir, device, partial_rollout=rollout.partial_rollout, max_batch=rollout.max_batch,
                             mem_fraction_static=rollout.sglang_mem_fraction, seed=seed, dsa=True if dsa else None,
@@ -567,4 +582,4 @@ def make_engine(rollout, model_dir, device, *, dsa, seed: int, lora_cfg=None, em
     return TorchEngine(model, max_batch=rollout.max_batch, kv_tokens=rollout.kv_cache_tokens,
                        reprefill=rollout.update_mode == "reprefill",
                        graphs=rollout.cuda_graphs and torch.device(device).type == "cuda",
-                       speculative=Speculative.of(model, rollout.speculative_tokens))
+                       speculative=Speculative.of(model, rollout.speculative_tokens), prefill_tokens=prefill_tokens)

@@ -30,7 +30,7 @@ import torch
 
 from model import BLOCK_SIZE
 
-PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most (a longer context goes alone)
+PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most, unless the engine is given more (a longer context goes alone)
 # While rows are decoding, waiting requests are admitted once this fraction of max_batch rows is free (or
 # every waiting request fits): a prefill costs a forward whatever its size, so rows that free up one at a
 # time are refilled in batches, not by one small prefill each.
@@ -103,8 +103,9 @@ class Scheduler:
     each row's next position (= tokens in its KV) on the host, so that block bookkeeping never reads the
     device. stats: the engine's counters ("parked", "evicted" are counted here)."""
 
-    def __init__(self, free: list[int], max_batch: int, stop_ids=(), stats=None, ahead: int = 0):
+    def __init__(self, free: list[int], max_batch: int, stop_ids=(), stats=None, ahead: int = 0, prefill_tokens=None):
         self.free = free  # free KV block ids: the pool's own list, shared with it
+        self.prefill_tokens = prefill_tokens  # a prefill forward's tokens, at most (None: PREFILL_TOKENS)
         self.max_batch = max_batch  # rows decoding at once, at most
         # Speculative decoding (machinery/speculative.py) feeds a row's next token and `ahead` drafts at once: a row
         # holds blocks for positions up to pos + ahead (never past its last possible one), and may take up to
@@ -133,7 +134,7 @@ class Scheduler:
         their logits in that order). A request fits with a free row and, in the pool, blocks for its context
         and its first decoded token (less the parked blocks it takes over) plus one spare block for every row
         running or admitted before it (each may need one to grow into at the next step), and within the
-        prefill budget PREFILL_TOKENS
+        prefill budget (prefill_tokens, or PREFILL_TOKENS)
         (a context already admitted in this round costs nothing: the prefill runs it once; an extending turn
         costs its new tokens). Parked KV of other trajectories is evicted, oldest first, to make room. The
         first request of a round goes whatever its size when no row runs and no finished turn's KV is on its
@@ -154,7 +155,7 @@ class Scheduler:
             # its context's blocks and its first decoded token's, with `ahead` the positions of its first verify's drafts
             top = len(ctx) + min(self.ahead, max(0, len(r.prompt) + r.max_new - 2 - len(ctx)))
             blocks = max(0, top // BLOCK_SIZE + 1 - len(held))  # (a speculative row may have parked more)
-            if new and tokens + cost > PREFILL_TOKENS:
+            if new and tokens + cost > (self.prefill_tokens or PREFILL_TOKENS):
                 break
             while blocks + self.spare * (len(self.running) + len(new)) > len(self.free) and any(k != r.key for k in self.parked):
                 self.evict(1, keep=r.key)

@@ -22,7 +22,7 @@ import dsa
 from machinery import env, hub
 from machinery.checkpoint import MetricsLog, Preemption, checkpoints, load_latest, seed_all, set_rng_state, starting_point
 from machinery.config import (Config, ConfigError, architecture, check_memory, check_paths, eval_sets, hub_specs,
-                              load_config, load_run_config, save_config, sources)
+                              load_config, load_run_config, prefill_budget, save_config, sources)
 from machinery.engine import make_engine
 from machinery.lora import base_dir
 from machinery.teacher import check_tokenizer
@@ -139,7 +139,7 @@ def start(argv, description, script, default_config, single_turn) -> Run | None:
     try:
         engine = make_engine(cfg.rollout, base_dir(ckpt or start), devices[0], dsa=cfg.model.dsa,
                              seed=cfg.seed + 7919 * rank(), lora_cfg=cfg.model.lora, empty=cfg.train.colocate,
-                             mtp=cfg.model.mtp_layers) \
+                             mtp=cfg.model.mtp_layers, prefill_tokens=prefill_budget(cfg)) \
             if cfg.train.rl_steps > 0 else None
     except (ImportError, ValueError) as e:
         raise ConfigError(str(e)) from None

@@ -267,6 +267,16 @@ def test_the_tool_recipe_plans_its_longest_trajectory():
     assert shorter.text(config.H100_BYTES) != text  # the learner's micro-batch follows the trajectory's length
 
 
+@pytest.mark.parametrize("name, tokens", [("glm9b_math", 17408), ("glm47flash_math", 17408), ("tiny_cpu", 4096)])
+def test_the_engine_packs_the_prefill_its_plan_counts(name, tokens):
+    """config.prefill_budget, what start-up hands make_engine: the tokens of one prefill forward are those the memory
+    plan counts, the longest sequence (rollout.max_prompt_tokens + the longest response) or PREFILL_TOKENS."""
+    cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), [])
+    assert config.prefill_budget(cfg) == tokens
+    if name == "glm9b_math":
+        assert f"prefill of {tokens} packed tokens" in config.plan_memory(cfg, cfg.train.pairs).text(config.H100_BYTES)
+
+
 def test_lora_settings_are_checked_in_one_line(monkeypatch):
     """model.lora's own keys and values, and the combinations it cannot run, fail at load with one line."""
     assert load_config(TINY, ["model.lora={rank: 8, lr: 1.0e-4}"]).model.lora == {"rank": 8, "lr": 1.0e-4}

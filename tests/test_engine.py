@@ -798,24 +798,31 @@ def test_cuda_graphs_capture_the_moe_generator(quantization, monkeypatch):
     assert all(torch.equal(a.routes, b.routes) for a, b in zip(*outs))
 
 
-def test_a_wave_larger_than_the_prefill_budget_prefills_back_to_back_in_one_iteration(monkeypatch):
-    """Requests that do not fit one PREFILL_TOKENS forward prefill in several, one after the other in the same
-    iteration (no device read between them, so the host packs the next while the device runs the last), before the
-    iteration's one decode step; each forward stays within the budget, and every completion is the one a single
-    forward gives (its tokens; its logprobs up to fp32 rounding: other packings, other matmul shapes)."""
-    from machinery import scheduler
+@pytest.mark.parametrize("budget", ["scheduler", "engine"])
+def test_a_wave_larger_than_the_prefill_budget_prefills_back_to_back_in_one_iteration(monkeypatch, budget):
+    """Requests that do not fit one prefill forward (scheduler.PREFILL_TOKENS, or the engine's prefill_tokens: what
+    make_engine gives, config.prefill_budget) prefill in several, one after the other in the same iteration (no
+    device read between them, so the host packs the next while the device runs the last), then one lm_head and one
+    sampling for all of them, before the iteration's one decode step; each forward stays within the budget, and every
+    completion is the one a single forward gives (its tokens; its logprobs up to fp32 rounding: other packings,
+    other matmul shapes)."""
+    from machinery import engine as engine_mod, scheduler
     model = tiny_model()
     prompts = [[i + 1, i + 2, i + 3, i + 4, i + 5] for i in range(6)]  # 30 tokens, 6 distinct contexts
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4)
     whole = TorchEngine(model, max_batch=8, kv_tokens=256).generate(prompts, sampling, seed=3)
-    monkeypatch.setattr(scheduler, "PREFILL_TOKENS", 10)  # two contexts a forward
-    engine = TorchEngine(model, max_batch=8, kv_tokens=256)  # (blocks to spare: the pool does not hold anyone back)
-    sizes, pack = [], TorchEngine._pack
+    if budget == "scheduler":
+        monkeypatch.setattr(scheduler, "PREFILL_TOKENS", 10)  # two contexts a forward
+    # (blocks to spare: the pool does not hold anyone back)
+    engine = TorchEngine(model, max_batch=8, kv_tokens=256, prefill_tokens=10 if budget == "engine" else None)
+    sizes, pack, samplings, sample = [], TorchEngine._pack, [], engine_mod.sample_tokens
     monkeypatch.setattr(TorchEngine, "_pack", lambda self, new: sizes.append(
         (self.stats["iterations"], sum(len(r.prompt) for r in new))) or pack(self, new))
+    monkeypatch.setattr(engine_mod, "sample_tokens", lambda logits, *a: samplings.append(logits.shape[0]) or sample(logits, *a))
     out = engine.generate(prompts, sampling, seed=3)
     assert sizes == [(1, 10)] * 3 and engine.stats["prefills"] == 3  # all in the first iteration
     assert engine.stats["decode_steps"] == 3  # tokens 2-4 of every row at once
+    assert samplings == [6] * 4  # the three forwards' first tokens at once, then the decode steps
     assert [c.token_ids for c in out] == [c.token_ids for c in whole]  # (logprobs: another packing's rounding)
     for c, w in zip(out, whole):
         assert c.logprobs == pytest.approx(w.logprobs, abs=1e-5)
@@ -842,3 +849,19 @@ def test_an_abort_returns_every_request_running_or_waiting(model):
     assert len(engine.pool.free) == engine.pool.num_blocks
     engine.resume()
     assert [c.finish_reason for c in engine.generate(prompts, sampling, seed=0)] == ["length"] * 4
+
+
+@pytest.mark.parametrize("model", [tiny_model, tiny_moe])
+def test_one_new_token_takes_no_decode_step(model):
+    """A wave whose every request samples one token (max_new_tokens 1) ends at its prefill: no decode step runs (a
+    prefill's cost, nothing more), and each completion is the first token of a longer generation with its logprob,
+    and (MoE) the routes of its prompt's positions."""
+    engine = TorchEngine(model(), max_batch=4)
+    prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
+    one = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=1), seed=5)
+    assert engine.stats["decode_steps"] == 0
+    longer = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=3), seed=5)
+    for p, a, b in zip(prompts, one, longer):
+        assert a.token_ids == b.token_ids[:1] and a.logprobs == b.logprobs[:1] and a.finish_reason == "length"
+        if b.routes is not None:
+            assert a.routes.shape[0] == len(p) and torch.equal(torch.as_tensor(a.routes), torch.as_tensor(b.routes)[:len(p)])

@@ -304,6 +304,24 @@ def test_packed_groups():
     assert sum(p.share) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("lengths, runs, in_order", [((4, 4, 4), [0], True), ((6,), [0], True), ((9, 3, 3), [0, 9], True),
+                                                     ((3, 4, 3, 3), [None], False), ((5, 2, 3), [0, 7, 5], False),
+                                                     ((5, 4, 2, 2), [None, 9], False)])
+def test_packed_take_and_put_back(lengths, runs, in_order):
+    """Packed.take is the gather of each group's slots, and put_back its inverse, whether a group is a view of the
+    row (its sequences end to end, all of one length: Packed.runs) or a gather; back's gather is skipped only where
+    it is the identity (the groups in the row's order, no padding)."""
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    p = model.Packed.of(pos)
+    assert p.runs == runs and p.in_order == in_order
+    t = torch.randn(1, pos.shape[1], 3, 2)
+    outs = []
+    for i, (src, _) in enumerate(p.groups):
+        outs.append(p.take(t, i))
+        assert torch.equal(outs[-1], t.flatten(0, 1)[src])
+    assert torch.equal(p.put_back(outs, (1, pos.shape[1])), t)
+
+
 def test_gradient_checkpointing_same_gradients(pair):
     _, ours, _ = pair
     ids = torch.randint(0, 97, (2, 10))
