@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from machinery import fp8, lora
-from machinery.graphs import DecodeGraphs, decode_forward, key_slots
+from machinery.graphs import DecodeGraphs, decode_forward, fuse_norms, key_slots
 from machinery.sampler import _M32, request_seeds, sample_keys, sample_tokens
 from machinery.sampler import _mix32, _vocab_hash  # noqa: F401 (importable from here: the sampler's tests)
 from machinery.scheduler import Completion, Request, SamplingParams, Scheduler, extend_routes, slots_of
@@ -106,11 +106,12 @@ class TorchEngine:
     steps. Running rows then keep their KV, computed by the old weights (PRIME-RL, SkyRL), or with
     reprefill=True are retracted and prefilled again under the new ones (AReaL; SGLang's retract), and
     parked KV is dropped; each completion records the (oldest, newest) versions it spans. The engine owns
-    its model: it is put in eval mode and frozen, so never hand it the learner's."""
+    its model: it is put in eval mode and frozen (and its RMSNorms fused: graphs.fuse_norms), so never hand it the
+    learner's."""
 
     def __init__(self, model: GLM, max_batch: int = 64, kv_tokens: int | None = None, reprefill: bool = False,
                  graphs: bool = False, speculative=None, prefill_tokens: int | None = None):
-        self.model = model.eval().requires_grad_(False)
+        self.model = fuse_norms(model.eval().requires_grad_(False))  # its norms one Triton kernel each on a GPU
         self.max_batch, self.kv_tokens, self.reprefill, self.use_graphs = max_batch, kv_tokens, reprefill, graphs
         self.prefill_tokens = prefill_tokens
         # the Speculative (or None); the running call's when it speculates (else None: the plain path), and its drafts fed

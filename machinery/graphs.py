@@ -5,15 +5,36 @@ calls decode_forward for its eager decode steps and for the rows of a turn that 
 graphs on, a decode step goes through DecodeGraphs.run instead (on a CPU, in tests, the same padded buckets
 run eagerly). A speculative engine's verify forward (speculative.py: k + 1 tokens a row) runs as DecodeGraphs.verify, a
 second set of the same buckets on the same memory pool, and its MTP drafter's draft step (draft_forward, one chained step)
-as DecodeGraphs.draft, a third.
+as DecodeGraphs.draft, a third. The engine's model runs each RMSNorm as one Triton kernel on a GPU (fuse_norms).
 """
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+import dsa
 from families import mtp
-from model import BLOCK_SIZE, GLM, PagedKVCache
+from kernels import rmsnorm
+from model import BLOCK_SIZE, GLM, PagedKVCache, RMSNorm
+
+
+class FusedRMSNorm(RMSNorm):
+    """model.RMSNorm whose forward is kernels/rmsnorm.rms_norm where that runs (CUDA, dsa.USE_TRITON) and no gradient
+    is wanted: one kernel, not eight. The same parameters and state dict."""
+
+    def forward(self, x):
+        if dsa._triton(x) and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            return rmsnorm.rms_norm(x, self.weight, self.eps)
+        return super().forward(x)
+
+
+def fuse_norms(model):
+    """Every model.RMSNorm of model becomes a FusedRMSNorm, in place (the same modules, parameters and hooks): what
+    TorchEngine does to the model it owns."""
+    for m in model.modules():
+        if type(m) is RMSNorm:
+            m.__class__ = FusedRMSNorm
+    return model
 
 
 def decode_forward(model, pool: PagedKVCache, tokens, pos, keys, valid, hidden=False):
