@@ -16,6 +16,24 @@ def write_results(args, result, md):
             f.write(md + "\n")
 
 
+def op_count():
+    """A context that counts the ATen ops run inside it (.ops): each one a call from Python into a kernel (a launch
+    on a GPU, where the host's time per op is what a CPU-bound forward pays). Made on first use: importing this
+    package needs no torch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpCount(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    return OpCount()
+
+
 def profile_to(path, fn, rows=40):
     """Run fn() once under torch.profiler and write its ops, most device time first (CUDA where there is one, else CPU),
     to path: where a step's time goes, for a GPU session that has minutes to find out. Returns fn()'s result."""

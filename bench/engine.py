@@ -46,7 +46,7 @@ from bench.attention import machine, write_section  # noqa: E402
 from model import GLM, GLMConfig, KVCache  # noqa: E402
 from machinery import engine  # noqa: E402
 from machinery.engine import Completion, SamplingParams, TorchEngine  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from bench import op_count  # noqa: E402
 
 
 class StaticEngine:
@@ -180,24 +180,13 @@ def first_timed(run, firsts: list):
     return call
 
 
-class OpCount(TorchDispatchMode):
-    """Counts the ATen ops that run inside it (each one a call from Python into a kernel, on a CPU)."""
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def engine_facts(model, work, batch):
     """One `rl` run of our engine: its iterations and prefills, and the ATen ops of a decode step (the
     median over the run's steps; the same at any number of rows)."""
     engine, ops = TorchEngine(model, max_batch=batch), []
 
     def counted(decode=engine._decode):
-        with OpCount() as c:
+        with op_count() as c:
             decode()
         ops.append(c.ops)
     engine._decode = counted

@@ -67,7 +67,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench import profile_to, write_results  # noqa: E402
+from bench import op_count, profile_to, write_results  # noqa: E402
 from bench.attention import machine, write_section  # noqa: E402
 from bench.engine import engine_runner, timed, workloads  # noqa: E402
 from bench.learner import SHAPES as LEARNER_SHAPES  # noqa: E402
@@ -484,6 +484,8 @@ def flash_engine(gen, hf, arch, device, args):
                     assert all(len(c.token_ids) == n for c in out)  # no stop tokens: every row runs to the limit
             try:
                 gen_n(args.new_tokens)  # warm-up: the pool sized, kernels chosen, every bucket captured
+                with op_count() as ops:  # the host's side of a prefill: ATen ops dispatched (launches, on a GPU)
+                    gen_n(1)
                 if args.profile and kind in ("graphs", "hf", "fp8 graphs"):  # untimed: a prefill, then 16 tokens
                     name = f"{kind.replace(' ', '_')}_{B}"
                     profile_to(os.path.join(args.profile, f"prefill_{name}.txt"), lambda: gen_n(1))
@@ -503,9 +505,11 @@ def flash_engine(gen, hf, arch, device, args):
                     note = "CUDA graphs fell back to eager"
                 decode = B * (args.new_tokens - 1) / max(times[args.new_tokens] - times[1], 1e-9)
                 rows.append(dict(rows=B, side=kind, prefill_s=times[1], prefill_tokens_per_s=B * args.prompt / times[1],
+                                 prefill_ops=ops.ops,
                                  decode_s=times[args.new_tokens] - times[1], decode_tokens_per_s=decode,
                                  peak=p.peak, before=p.before, note=note))
-                log(f"engine {B} rows, {kind}: prefill {times[1]:.3f} s ({B * args.prompt / times[1]:.0f} tokens/s), "
+                log(f"engine {B} rows, {kind}: prefill {times[1]:.3f} s ({B * args.prompt / times[1]:.0f} tokens/s, "
+                    f"{ops.ops} ATen ops), "
                     f"decode {decode:.0f} tokens/s{', peak ' + gib(p.peak) + ' GiB' if p.peak else ''} {note}")
             except Exception as e:  # noqa: BLE001 - one failed side must not lose the others' numbers
                 rows.append(dict(rows=B, side=kind, error=f"{type(e).__name__}: {e}".splitlines()[0][:300]))
@@ -601,14 +605,14 @@ def markdown(result):
     if flash_rows:
         names = {"graphs": "TorchEngine, CUDA graphs", "eager": "TorchEngine, eager", "hf": "transformers `generate`",
                  "fp8 graphs": "TorchEngine fp8, CUDA graphs", "fp8 eager": "TorchEngine fp8, eager"}
-        lines += ["", "| rows | engine | prefill s | prefill tokens / s | decode s | decode tokens / s | peak GiB | "
-                      "held before GiB |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "| rows | engine | prefill s | prefill tokens / s | prefill's ATen ops | decode s | decode tokens / s | "
+                      "peak GiB | held before GiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r in flash_rows:
             if "error" in r:
-                lines.append(f"| {r['rows']} | {names[r['side']]} | failed: {r['error']} | | | | | |")
+                lines.append(f"| {r['rows']} | {names[r['side']]} | failed: {r['error']} | | | | | | |")
                 continue
             lines.append(f"| {r['rows']} | {names[r['side']]}{' (' + r['note'] + ')' if r['note'] else ''} | "
-                         f"{r['prefill_s']:.3f} | {r['prefill_tokens_per_s']:.0f} | {r['decode_s']:.2f} | "
+                         f"{r['prefill_s']:.3f} | {r['prefill_tokens_per_s']:.0f} | {r['prefill_ops']} | {r['decode_s']:.2f} | "
                          f"{r['decode_tokens_per_s']:.0f} | {gib(r['peak'])} | {gib(r['before'])} |")
     if result["routes_recorded"] is False:
         lines += ["", "The engine's completions carried no routes: this model.py does not record them beside the KV "
@@ -652,7 +656,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64, help="tiny / wide: rows decoding at once in both engines")
     ap.add_argument("--layers", type=int, default=4, help="flash: decoder layers kept (the published model has 47)")
     ap.add_argument("--samples", type=int, default=32, help="flash: learner sequences (groups of 8)")
-    ap.add_argument("--prompt", type=int, default=256, help="flash: prompt tokens (learner and generation)")
+    ap.add_argument("--prompt", type=int, default=None, help="flash: prompt tokens (learner and generation; default 256, "
+                    "--quick 6)")
     ap.add_argument("--response", type=int, default=1024, help="flash: learner response tokens")
     ap.add_argument("--tokens", type=int, default=None, help="optim.max_tokens_per_micro_batch (default 16384)")
     ap.add_argument("--hf-rows", type=int, default=None, help="transformers: sequences per padded micro-batch "
@@ -695,9 +700,9 @@ def main(argv=None):
     if args.hf_rows is None and is_flash and device.type == "cuda":
         args.hf_rows = 4  # [4 x 1280 tokens, 154880] fp32 logits: 3 GiB, and as much again for log_softmax
     if is_flash and quick:  # (the learner trains on BATCHES["quick"])
-        args.prompt = 6
+        args.prompt = args.prompt or 6
         args.gen_batch, args.new_tokens = args.gen_batch or "2,4", args.new_tokens or 4
-    args.gen_batch, args.new_tokens = args.gen_batch or "64,256", args.new_tokens or 128
+    args.gen_batch, args.new_tokens, args.prompt = args.gen_batch or "64,256", args.new_tokens or 128, args.prompt or 256
     args.prefill_tokens = args.prefill_tokens or config.prefill_budget(
         config.load_config(os.path.join(ROOT, "configs", "glm47flash_math.yaml"), []))
     if quick:

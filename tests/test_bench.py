@@ -175,6 +175,7 @@ def test_moe_bench_cpu_side(dry, tmp_path):
         for side in ("eager", "hf"):
             x = engine["flash", rows, side]
             assert "error" not in x and x["decode_tokens_per_s"] > 0 and x["prefill_tokens_per_s"] > 0
+            assert x["prefill_ops"] > 0  # the host's dispatches of one prefill (bench.op_count)
     md = (out / "8_MoE_learner_and_engine.md").read_text()
     assert "| tiny | quick: 16 sequences" in md and "| 4 | TorchEngine, eager |" in md
     assert moe.markdown(res) == md.strip()
