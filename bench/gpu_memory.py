@@ -17,9 +17,10 @@ Phases, in order, each between torch.cuda.reset_peak_memory_stats and torch.cuda
 caching allocator's live tensors; the CUDA context and the allocator's free blocks are not in it, which the
 plan's "CUDA context, fragmentation" item stands for, so that item is left out of the plan side here):
   generator load     GLM.from_pretrained(ckpt, device) in bf16 and a TorchEngine (as engine.make_engine)
-  generator prefill  the first call, --gen-batch rows of 1 new token: the KV pool allocated, the prompts
-                     prefilled (--group samples share a prompt: one prefill serves them), and one decode step
-                     (a call's rows decode once before their first read), which captures a CUDA graph
+  generator prefill  the first call, --gen-batch rows of 2 new tokens: the KV pool allocated, the prompts
+                     prefilled (--group samples share a prompt: one prefill serves them) in forwards of at most
+                     --prefill-tokens (the 9B recipe's config.prefill_budget: 32 distinct prompts of 1,024 tokens fill
+                     one forward of 17 and one of 15), and one decode step, which captures a CUDA graph
   generator decode   the same rows, --new-tokens each (CUDA graphs captured on first use, as rollout.cuda_graphs)
   learner load       GLM.from_pretrained(ckpt, dtype=float32, device), as train.py loads the learner
   learner step 1/2   train.rl_step on a synthetic batch (--samples sequences of --prompt + --response tokens,
@@ -67,7 +68,8 @@ def plan_for(args, arch):
     kwargs = dict(learner_gpus=1, parallel=args.parallel, micro_batch_tokens=args.tokens, gradient_checkpointing=True,
                   trainable_indexer=False, reference=False, generator_batch=args.gen_batch,
                   generator_max_len=args.prompt + args.new_tokens, max_new_tokens=args.new_tokens, engine="torch",
-                  kv_cache_tokens=None, cuda_graphs=True, group_size=args.group, logit_chunk=config.LOGIT_CHUNK,
+                  kv_cache_tokens=None, cuda_graphs=True, group_size=args.group, prefill_tokens=args.prefill_tokens,
+                  logit_chunk=config.LOGIT_CHUNK,
                   logit_keep=config.LOGIT_KEEP_BYTES, dsa_kernels=not args.no_kernels, shared=True)
     known = inspect.signature(memory_plan).parameters
     return memory_plan(arch, **{k: v for k, v in kwargs.items() if k in known})
@@ -204,13 +206,13 @@ def measure(args, arch, plan, log):
 
         with Phase("generator load", base):
             gen = GLM.from_pretrained(ckpt, dsa=None, device=dev)  # bf16 on cuda (dsa.FP32_PARAMS fp32)
-            engine = TorchEngine(gen, max_batch=args.gen_batch, graphs=True)
+            engine = TorchEngine(gen, max_batch=args.gen_batch, graphs=True, prefill_tokens=args.prefill_tokens)
         counted["generator: " + plan.generator[0][0]] = sum(p.numel() * p.element_size() for p in gen.parameters())
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(0, arch.vocab_size, (args.prompt,), generator=g).tolist()
                    for _ in range(args.gen_batch // args.group)]
         prompts = [p for p in prompts for _ in range(args.group)]  # a prompt's samples side by side, as rollouts are
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=1, stop_token_ids=())
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=2, stop_token_ids=())  # (1: no decode step)
         with Phase("generator prefill", base):
             engine.generate(prompts, sampling, seed=0)
         # (a later call with longer rows gets a new pool and new graphs, and frees these: nothing here may hold them,
@@ -316,7 +318,9 @@ def main(argv=None):
     ap.add_argument("--response", type=int, default=3072, help="response tokens of each learner sequence")
     ap.add_argument("--tokens", type=int, default=16384, help="optim.max_tokens_per_micro_batch")
     ap.add_argument("--gen-batch", type=int, default=64, help="rows decoding at once (rollout.max_batch)")
-    ap.add_argument("--group", type=int, default=8, help="samples per prompt (they share one prefill)")
+    ap.add_argument("--group", type=int, default=2, help="samples per prompt (they share one prefill)")
+    ap.add_argument("--prefill-tokens", type=int, default=None, help="tokens a prefill forward packs, in the engine and "
+                    "the plan (default: configs/glm9b_math.yaml's config.prefill_budget)")
     ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per row")
     ap.add_argument("--tmp", help="where the temporary checkpoint goes (default: the system's temp directory)")
     ap.add_argument("--json", help="write the results here")
@@ -324,6 +328,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.gen_batch % args.group:
         ap.error("--gen-batch must be a multiple of --group")
+    args.prefill_tokens = args.prefill_tokens or config.prefill_budget(
+        config.load_config(os.path.join(ROOT, "configs", "glm9b_math.yaml"), []))
     arch = architecture(args.layers, args.dsa)
     plan = plan_for(args, arch)
     dry = args.dry or not torch.cuda.is_available()
