@@ -333,7 +333,8 @@ class TorchEngine:
             self._grow()
             new = self._prefill()
             # (a wave whose every row ends with its first token, max_new 1, needs no decode step)
-            if self.sched.running and not (len(new) == len(self.sched.running) and all(r.max_new - len(r.tokens) <= 1 for r in new)):
+            first_only = len(new) == len(self.sched.running) and all(r.max_new - len(r.tokens) <= 1 for r in new)
+            if self.sched.running and not first_only:
                 self.call_spec.step(self) if self.call_spec else self._decode()
         host = self._read()
         self.sched.pos = host[2]  # (a speculative step moves each row its own number of positions)

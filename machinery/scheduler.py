@@ -30,7 +30,9 @@ import torch
 
 from model import BLOCK_SIZE
 
-PREFILL_TOKENS = 4096  # tokens one prefill forward packs at most, unless the engine is given more (a longer context goes alone)
+# Tokens a prefill forward packs at most, unless the engine is given its own prefill_tokens (config.prefill_budget: what
+# the memory plan counts); a longer context goes alone
+PREFILL_TOKENS = 4096
 # While rows are decoding, waiting requests are admitted once this fraction of max_batch rows is free (or
 # every waiting request fits): a prefill costs a forward whatever its size, so rows that free up one at a
 # time are refilled in batches, not by one small prefill each.
