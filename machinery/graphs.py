@@ -14,17 +14,17 @@ import torch
 
 import dsa
 from families import mtp
-from kernels import rmsnorm
+from kernels import elementwise
 from model import BLOCK_SIZE, GLM, PagedKVCache, RMSNorm
 
 
 class FusedRMSNorm(RMSNorm):
-    """model.RMSNorm whose forward is kernels/rmsnorm.rms_norm where that runs (CUDA, dsa.USE_TRITON) and no gradient
-    is wanted: one kernel, not eight. The same parameters and state dict."""
+    """model.RMSNorm whose forward is kernels/elementwise.rms_norm where that runs (CUDA, dsa.USE_TRITON) and no
+    gradient is wanted: one kernel, not eight. The same parameters and state dict."""
 
     def forward(self, x):
         if dsa._triton(x) and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            return rmsnorm.rms_norm(x, self.weight, self.eps)
+            return elementwise.rms_norm(x, self.weight, self.eps)
         return super().forward(x)
 
 
