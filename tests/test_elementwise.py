@@ -1,8 +1,7 @@
 """kernels/elementwise.py. rms_norm against model.RMSNorm's formula in float64 (Triton's interpreter on CPU tensors;
-on a GPU against model.RMSNorm itself), and its place in the engine (machinery/graphs.py): FusedRMSNorm takes the
-kernel only where it runs and no gradient is wanted, fuse_norms swaps every norm of a model in place, TorchEngine
-fuses its own. rope against model.apply_rope's PyTorch path: the same bits in fp32 in the interpreter and in bf16
-on a GPU, and apply_rope's dispatch to it.
+on a GPU against model.RMSNorm itself), and machinery/graphs.py's FusedRMSNorm taking it only where it runs and no
+gradient is wanted (fuse_norms itself: tests/test_graphs.py). rope against model.apply_rope's PyTorch path: the same
+bits in fp32 in the interpreter and in bf16 on a GPU, and apply_rope's dispatch to it.
 
 Tolerances in the interpreter, whose fp32 -> bf16 conversion does not round to nearest (the GPU's does): rms_norm
 in bf16 2^-6 of a value (two roundings, each within a step of bf16's 8 significant bits), in fp32 1e-6; rope in bf16
@@ -16,7 +15,6 @@ from kernels import elementwise
 from machinery import graphs
 from model import RMSNorm
 from conftest import compile_for_h100
-from test_engine import tiny_model, tiny_moe
 
 
 def reference(x, weight, eps):
@@ -93,28 +91,6 @@ def test_fused_norm_takes_the_kernel_only_without_gradients(interpreter, monkeyp
     with torch.no_grad():
         m(x)
     assert calls == [1]
-
-
-@pytest.mark.parametrize("make", [tiny_model, tiny_moe])
-def test_fuse_swaps_every_norm_and_changes_nothing_on_a_cpu(make):
-    """fuse_norms(model): every model.RMSNorm of a GLM-4 or MLA + MoE model (MLA's latent norms included) is a
-    FusedRMSNorm, the same modules and parameters, and without the kernel (a CPU) the same logits, bit for bit.
-    TorchEngine fuses the model it is given."""
-    from machinery.engine import TorchEngine
-    model = make()
-    norms = [m for m in model.modules() if type(m) is RMSNorm]
-    params = dict(model.named_parameters())
-    ids = torch.randint(2, 40, (2, 9))
-    with torch.no_grad():
-        before = model(ids)
-    graphs.fuse_norms(model)
-    assert norms and all(type(m) is graphs.FusedRMSNorm for m in norms)
-    assert not any(type(m) is RMSNorm for m in model.modules())
-    assert all(p is params[n] for n, p in model.named_parameters())
-    with torch.no_grad():
-        assert torch.equal(model(ids), before)
-    engine = TorchEngine(make())
-    assert not any(type(m) is RMSNorm for m in engine.model.modules())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -10,8 +10,8 @@ import torch
 from machinery import graphs as graphs_mod
 from machinery.engine import SamplingParams, TorchEngine
 from machinery.memory import memory_plan
-from model import BLOCK_SIZE, PagedKVCache
-from test_engine import graph_engine, tiny_model
+from model import BLOCK_SIZE, PagedKVCache, RMSNorm
+from test_engine import graph_engine, tiny_model, tiny_moe
 
 
 def fake_cuda(monkeypatch, Graph):
@@ -230,3 +230,24 @@ def test_draft_graph_buffers_are_what_the_memory_plan_counts():
                             trainable_indexer=False, reference=False, generator_batch=B, generator_max_len=S,
                             max_new_tokens=30, engine="torch", cuda_graphs=True, speculative_tokens=k).generator)
     assert plan[f"CUDA graphs' draft inputs [{B}, {S}], logits [{B}, V] and hidden in and out [{B}, h]"] == real
+
+
+@pytest.mark.parametrize("make", [tiny_model, tiny_moe])
+def test_fuse_swaps_every_norm_and_changes_nothing_on_a_cpu(make):
+    """fuse_norms(model): every model.RMSNorm of a GLM-4 or MLA + MoE model (MLA's latent norms included) is a
+    FusedRMSNorm, the same modules and parameters, and without the kernel (a CPU) the same logits, bit for bit.
+    TorchEngine fuses the model it is given."""
+    model = make()
+    norms = [m for m in model.modules() if type(m) is RMSNorm]
+    params = dict(model.named_parameters())
+    ids = torch.randint(2, 40, (2, 9))
+    with torch.no_grad():
+        before = model(ids)
+    graphs_mod.fuse_norms(model)
+    assert norms and all(type(m) is graphs_mod.FusedRMSNorm for m in norms)
+    assert not any(type(m) is RMSNorm for m in model.modules())
+    assert all(p is params[n] for n, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(model(ids), before)
+    engine = TorchEngine(make())
+    assert not any(type(m) is RMSNorm for m in engine.model.modules())
