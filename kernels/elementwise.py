@@ -100,8 +100,8 @@ def rope(x, cos, sin):
     dsa_triton.available(x); no autograd."""
     D = x.shape[-1]
     H = x.shape[2] if x.dim() == 4 else 1
+    cos, sin = (t.expand(*x.shape[:2], D) for t in (cos, sin))  # (broadcast over B or T, as apply_rope's products)
     rows, c, s = _rows(x, D), _rows(cos, D), _rows(sin, D)
-    assert c.shape[0] * H == rows.shape[0] and s.shape == c.shape, (x.shape, cos.shape, sin.shape)
     y = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         with dsa_triton._on(x):

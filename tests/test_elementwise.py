@@ -181,6 +181,9 @@ def test_rope_is_apply_rope(interpreter, monkeypatch, dtype, shape):
     wide = torch.cat([x, x], -1)[..., :shape[-1]]  # the same values, rows strided
     assert not wide.is_contiguous() or not x.numel()
     assert torch.equal(elementwise.rope(wide, cos, sin), out)
+    if x.numel():  # tables of one row of the batch, broadcast over it as apply_rope's products broadcast them
+        whole = [t[:1].expand_as(t).contiguous() for t in (cos, sin)]
+        assert torch.equal(elementwise.rope(x, cos[:1], sin[:1]), elementwise.rope(x, *whole))
 
 
 def test_apply_rope_takes_the_kernel_where_no_gradient_is_wanted(interpreter, monkeypatch):
