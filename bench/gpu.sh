@@ -18,8 +18,9 @@
 #       tokens/s of train.rl_step (routes replayed, and fresh) against transformers' Glm4MoeLiteForCausalLM forward +
 #       backward + AdamW on the same weights, TorchEngine's prefill and decode tokens/s (CUDA graphs, bf16 and fp8)
 #       against transformers' generate, each phase's peak memory, and where the time goes (OUTDIR/8_profile/: op
-#       tables of a learner step per side, a prefill and a 16-token generate per engine). Dry mode runs its CPU side
-#       (--quick: the tiny MoE beside transformers, and the flash path with its widths shrunk)
+#       tables of a learner step per side, a prefill and a 16-token generate per engine); then fp8 against bf16 decode
+#       at 6 layers, where the decoder layers are >= 80% of a step's bytes (the table's share column). Dry mode runs
+#       its CPU side (--quick: the tiny MoE beside transformers, and the flash path with its widths shrunk)
 #   3   bench/gpu_memory.py: each phase's peak memory on a 4-layer cut of GLM-Z1-9B beside memory.memory_plan, and
 #       the CUDA-graph pool bucket by bucket (graphs.DecodeGraphs.memory: allocated before and after each capture,
 #       and the eager warm-up's peak), where the generator's decode exceeded its plan
@@ -366,10 +367,14 @@ if [[ $DRY == 1 ]]; then
     run_part 7 "colocate handoff" 60 0 \
         "$PY bench/colocate.py --device cpu --small --steps 2 --json $OUT/7_colocate.json --md $OUT/7_colocate_handoff.md" x_md
 else
-    # (GLM-4.7-Flash's 4-layer cut: 2.5B parameters; two fp32 learners one after the other, 55 GiB at most)
-    run_part 8 "MoE learner and engine" 210 1 \
+    # (GLM-4.7-Flash's 4-layer cut: 2.5B parameters; two fp32 learners one after the other, 55 GiB at most. Then fp8
+    # against bf16 decode at 6 layers, where the decoder is >= 80% of a step's bytes at 256 rows: 84%, 4 layers' 80%)
+    run_part 8 "MoE learner and engine" 300 1 \
         "$PY bench/moe.py --device cuda --shape flash --engines 'graphs,hf,fp8 graphs' --profile $OUT/8_profile \
-         --json $OUT/8_moe.json --md $OUT/8_MoE_learner_and_engine.md" x_md  # (H200: ~140 s)
+         --json $OUT/8_moe.json --md $OUT/8_MoE_learner_and_engine.md && \
+         $PY bench/moe.py --device cuda --shape flash --part engine --layers 6 --no-hf --engines 'graphs,fp8 graphs' \
+         --json $OUT/8_fp8_decode_6_layers.json --md $OUT/8_fp8_decode_6_layers.md && \
+         cat $OUT/8_fp8_decode_6_layers.md >> $OUT/8_MoE_learner_and_engine.md" x_md  # (H200: ~140 s, then ~60)
     run_part 3 "memory" 90 1 \
         "$PY bench/gpu_memory.py --layers 4 --json $OUT/3_memory.json --md $OUT/3_memory.md" x_md
     run_part 2 "parity" 120 1 \

@@ -55,6 +55,7 @@ import argparse
 import copy
 import dataclasses
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -451,6 +452,27 @@ def engine_part(arch, path, device, args):
     return rows
 
 
+def decoder_share(model, arch, rows, context) -> float:
+    """The decoder layers' share of the bytes a decode step reads at `rows` rows of mean `context` tokens, from the
+    model's own tensors (bf16, or fp8 codes and scales): every decoder weight once, the routed experts' only as far as
+    rows x k choices touch them (1 - (1 - k/E)^rows of them, expected), against those plus lm_head's weight, the
+    embedding's rows, and each row's cached latents over every layer. Issue 48 asks fp8 against bf16 decode at a depth
+    where this is >= 80%: at GLM-4.7-Flash's widths and 256 rows of ~320 tokens, 4 layers give 79.7%, 6 give 84.4%."""
+    k, E = arch.moe.num_experts_per_tok, arch.moe.n_routed_experts
+    touched = 1 - (1 - k / E) ** rows
+    decoder = other = 0.0
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        size = t.numel() * t.element_size()
+        if name.startswith("layers."):
+            decoder += size * (touched if ".mlp.experts." in name else 1)
+        elif name.startswith("lm_head"):
+            other += size
+        elif name.startswith("embed_tokens"):
+            other += size * rows / arch.vocab_size
+    other += rows * context * arch.num_layers * arch.kv_width * 2  # bf16 latents
+    return decoder / (decoder + other)
+
+
 def flash_engine(gen, hf, arch, device, args):
     """Prefill and decode tokens/s at each --gen-batch: ours with CUDA graphs (on CUDA) and eagerly, transformers, and
     ours again with fp8 weights (rollout.quantization: fp8; the routed experts through FP8Experts) unless --no-fp8."""
@@ -505,7 +527,8 @@ def flash_engine(gen, hf, arch, device, args):
                     note = "CUDA graphs fell back to eager"
                 decode = B * (args.new_tokens - 1) / max(times[args.new_tokens] - times[1], 1e-9)
                 rows.append(dict(rows=B, side=kind, prefill_s=times[1], prefill_tokens_per_s=B * args.prompt / times[1],
-                                 prefill_ops=ops.ops,
+                                 prefill_ops=ops.ops, decoder_share=None if kind == "hf" else decoder_share(
+                                     eng.model, arch, B, args.prompt + args.new_tokens / 2),
                                  decode_s=times[args.new_tokens] - times[1], decode_tokens_per_s=decode,
                                  peak=p.peak, before=p.before, note=note))
                 log(f"engine {B} rows, {kind}: prefill {times[1]:.3f} s ({B * args.prompt / times[1]:.0f} tokens/s, "
@@ -606,14 +629,16 @@ def markdown(result):
         names = {"graphs": "TorchEngine, CUDA graphs", "eager": "TorchEngine, eager", "hf": "transformers `generate`",
                  "fp8 graphs": "TorchEngine fp8, CUDA graphs", "fp8 eager": "TorchEngine fp8, eager"}
         lines += ["", "| rows | engine | prefill s | prefill tokens / s | prefill's ATen ops | decode s | decode tokens / s | "
-                      "peak GiB | held before GiB |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+                      "decoder's share of a step's bytes | peak GiB | held before GiB |",
+                  "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in flash_rows:
             if "error" in r:
-                lines.append(f"| {r['rows']} | {names[r['side']]} | failed: {r['error']} | | | | | | |")
+                lines.append(f"| {r['rows']} | {names[r['side']]} | failed: {r['error']} | | | | | | | |")
                 continue
+            share = "" if r.get("decoder_share") is None else f"{100 * r['decoder_share']:.1f}%"
             lines.append(f"| {r['rows']} | {names[r['side']]}{' (' + r['note'] + ')' if r['note'] else ''} | "
                          f"{r['prefill_s']:.3f} | {r['prefill_tokens_per_s']:.0f} | {r['prefill_ops']} | {r['decode_s']:.2f} | "
-                         f"{r['decode_tokens_per_s']:.0f} | {gib(r['peak'])} | {gib(r['before'])} |")
+                         f"{r['decode_tokens_per_s']:.0f} | {share} | {gib(r['peak'])} | {gib(r['before'])} |")
     if result["routes_recorded"] is False:
         lines += ["", "The engine's completions carried no routes: this model.py does not record them beside the KV "
                       "(model.PagedKVCache.routes) yet, so the engine's figures leave that work out."]

@@ -176,6 +176,7 @@ def test_moe_bench_cpu_side(dry, tmp_path):
             x = engine["flash", rows, side]
             assert "error" not in x and x["decode_tokens_per_s"] > 0 and x["prefill_tokens_per_s"] > 0
             assert x["prefill_ops"] > 0  # the host's dispatches of one prefill (bench.op_count)
+            assert (x["decoder_share"] is None) == (side == "hf") and (side == "hf" or 0 < x["decoder_share"] < 1)
     md = (out / "8_MoE_learner_and_engine.md").read_text()
     assert "| tiny | quick: 16 sequences" in md and "| 4 | TorchEngine, eager |" in md
     assert moe.markdown(res) == md.strip()
@@ -258,6 +259,21 @@ def test_distill_bench_tabulates_the_step_and_seconds_to_90_percent_of_the_teach
     assert lines["distillation alone"].split("|")[5:7] == [" 75 ", " 150 "]  # step 75, 75 steps x 2 s
     assert lines["GRPO alone"].split("|")[5:7] == [" 125 ", " 250 "]
     assert "not reached" in lines["distillation + GRPO"] and "0.500 -> 0.500" in lines["distillation alone"]
+
+
+def test_the_fp8_decode_depth_puts_the_decoder_over_80_percent_of_the_bytes():
+    """bench/moe.decoder_share at GLM-4.7-Flash's widths (its docstring's figures, and why gpu.sh's part 8 compares fp8
+    and bf16 decode at 6 layers): at 256 rows of 320 tokens 4 layers leave the decoder under issue 48's 80% of a
+    step's bytes, 6 do not; fewer rows touch fewer of the 64 experts."""
+    from bench import moe
+    shares = {}
+    for layers in (4, 6):
+        arch = moe.arch_of("flash", layers, False)
+        with torch.device("meta"):
+            m = moe.GLM(arch).cast_(torch.bfloat16)
+        shares[layers] = [moe.decoder_share(m, arch, rows, 320) for rows in (1, 256)]
+    assert shares[4][1] == pytest.approx(0.797, abs=5e-4) and shares[6][1] == pytest.approx(0.844, abs=5e-4)
+    assert shares[4][0] < 0.5  # one row reads 4 of each layer's 64 experts: lm_head then weighs more than the layers
 
 
 def test_moe_demo_bench_tabulates_replay_on_and_off(tmp_path):
