@@ -199,8 +199,8 @@ def apply_rope(x, cos, sin):
     """Rotate interleaved pairs (x0,x1), (x2,x3), ... : x0' = x0 cos - x1 sin, x1' = x1 cos + x0 sin, as
     x * cos + swap(x) * sin with rope_cos_sin's tables (the same products and sums, so the same rounding,
     in fewer passes than slicing the pairs apart). x [B, T, H, D] (or [B, T, D]); cos, sin [B, T, D]."""
-    if dsa._triton(x) and not x.requires_grad:  # a GPU, no gradient (the generator): one kernel, the same bits
-        return elementwise.rope(x, cos, sin)
+    if dsa._triton(x) and not x.requires_grad:  # a GPU, no gradient (the generator, no_grad forwards): one kernel,
+        return elementwise.rope(x, cos, sin)  # the same bits (kernels/elementwise.py)
     if x.dim() == 4:
         cos, sin = cos[:, :, None], sin[:, :, None]
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x1, x0, x3, x2, ...)

@@ -212,7 +212,8 @@ def measure(args, arch, plan, log):
         prompts = [torch.randint(0, arch.vocab_size, (args.prompt,), generator=g).tolist()
                    for _ in range(args.gen_batch // args.group)]
         prompts = [p for p in prompts for _ in range(args.group)]  # a prompt's samples side by side, as rollouts are
-        sampling = SamplingParams(temperature=1.0, max_new_tokens=2, stop_token_ids=())  # (1: no decode step)
+        # (2 tokens: the prefill's, then one decode step, which captures its graph; a 1-token call would take none)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=2, stop_token_ids=())
         with Phase("generator prefill", base):
             engine.generate(prompts, sampling, seed=0)
         # (a later call with longer rows gets a new pool and new graphs, and frees these: nothing here may hold them,

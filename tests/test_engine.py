@@ -851,12 +851,13 @@ def test_an_abort_returns_every_request_running_or_waiting(model):
     assert [c.finish_reason for c in engine.generate(prompts, sampling, seed=0)] == ["length"] * 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("model", [tiny_model, tiny_moe])
-def test_one_new_token_takes_no_decode_step(model):
+def test_one_new_token_takes_no_decode_step(model, dtype):
     """A wave whose every request samples one token (max_new_tokens 1) ends at its prefill: no decode step runs (a
     prefill's cost, nothing more), and each completion is the first token of a longer generation with its logprob,
-    and (MoE) the routes of its prompt's positions."""
-    engine = TorchEngine(model(), max_batch=4)
+    and (MoE) the routes of its prompt's positions; in the generator's bf16 weights too."""
+    engine = TorchEngine(model().cast_(dtype), max_batch=4)
     prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11]]
     one = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=1), seed=5)
     assert engine.stats["decode_steps"] == 0
